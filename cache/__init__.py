@@ -1,0 +1,1 @@
+"""The Zarr volume cache: build, store, stage, and (for training) read."""

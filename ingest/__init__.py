@@ -1,0 +1,1 @@
+"""Getting AI-READI OCT into shape: mirror, DICOM decode and validation, normalisation."""

@@ -1,0 +1,300 @@
+"""A synthetic AI-READI-shaped OCT dataset for the demo and the tests.
+
+Layered retina with a foveal pit and an optic-disc-side thickening, multiplicative speckle
+and log compression, written as OPT multi-frame DICOM at each scanner's native aspect ratio
+(scaled down by `scale`). Includes a JPEG 2000 device, both spacing layouts, flipped
+Spectralis OCTA cubes, and the bad files real buckets contain.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import pydicom
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.sequence import Sequence as DicomSequence
+from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
+
+from manifests.aireadi import SITES, STUDY_GROUPS
+from octfm import cli
+
+OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    shape: tuple[int, int, int]          # frames, rows, cols at native size
+    spacing: tuple[float, float, float]  # mm: between frames, rows, cols
+    manufacturer: str
+    model: str
+    short: str
+    per_frame_spacing: bool = False      # spacing in per-frame instead of shared groups
+    compress: str | None = None          # transfer syntax to write
+
+
+DEVICES = {
+    d.name: d for d in (
+        DeviceSpec("heidelberg_spectralis", (61, 496, 768), (0.1200, 0.0039, 0.0114), "Heidelberg Engineering",
+                   "Spectralis", "spectralis", per_frame_spacing=True),
+        DeviceSpec("topcon_maestro2", (128, 885, 512), (0.0469, 0.0026, 0.0117), "Topcon", "Maestro2", "maestro2",
+                   per_frame_spacing=True),
+        DeviceSpec("topcon_triton", (256, 992, 512), (0.0469, 0.0026, 0.0234), "Topcon", "Triton", "triton"),
+        DeviceSpec("zeiss_cirrus", (128, 1024, 512), (0.0469, 0.0020, 0.0117), "Carl Zeiss Meditec", "Cirrus HD-OCT 5000",
+                   "cirrus", compress=JPEG2000Lossless),
+    )
+}
+
+# Layer stack from the vitreous down: (name, thickness as a fraction of the depth, brightness).
+LAYERS = (
+    ("rnfl", 0.030, 0.80), ("gcl_ipl", 0.055, 0.55), ("inl", 0.030, 0.28), ("opl", 0.020, 0.55),
+    ("onl", 0.060, 0.22), ("ez", 0.010, 0.75), ("rpe", 0.016, 0.95), ("choroid", 0.120, 0.50),
+)
+VITREOUS, SCLERA = 0.04, 0.15
+
+
+def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
+    f, r, c = DEVICES[device].shape
+    return max(8, round(f / scale)), max(16, round(r / scale)), max(16, round(c / scale))
+
+
+def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, laterality: str = "R",
+                label: int | None = None, signal: float = 0.0) -> np.ndarray:
+    """A retina-like uint8 volume [frames, rows, cols].
+
+    `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
+    probe can learn (issue: probes on planted signal).
+    """
+    frames, rows, cols = shape
+    y = np.linspace(-1, 1, frames, dtype=np.float32)[:, None]
+    x = np.linspace(-1, 1, cols, dtype=np.float32)[None, :]
+    disc_x = 0.85 if laterality == "R" else -0.85
+    r2 = x ** 2 + y ** 2
+    fovea = np.exp(-r2 / 0.03)
+    tilt = rng.uniform(-0.04, 0.04)
+    surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + tilt * x + 0.035 * fovea + rng.uniform(-0.03, 0.03)
+    thick = []
+    for name, t, _ in LAYERS:
+        t = np.full_like(surface, t)
+        if name == "rnfl":
+            t = t * (0.4 + 2.0 * np.exp(-((x - disc_x) ** 2 + y ** 2) / 0.15)) * (1 - 0.8 * fovea)
+        elif name in ("gcl_ipl", "inl", "opl"):
+            t = t * (1 - 0.85 * fovea)
+        if name == "inl" and signal and label is not None:
+            t = t + signal * 0.012 * label
+        thick.append(t)
+    bounds = surface[..., None] + np.cumsum(np.stack(thick, -1), -1)           # [F, C, L]
+    bounds = np.concatenate([surface[..., None], bounds], -1)                   # [F, C, L+1]
+    levels = np.array([VITREOUS] + [b for _, _, b in LAYERS] + [SCLERA], dtype=np.float32)
+    z = (np.arange(rows, dtype=np.float32) + 0.5) / rows
+    gain = rng.uniform(0.85, 1.15)
+    out = np.empty(shape, dtype=np.uint8)
+    for f in range(frames):
+        idx = (z[:, None, None] > bounds[f][None]).sum(-1)                     # [R, C] layer index
+        img = levels[idx]
+        depth_below = np.clip(z[:, None] - bounds[f, :, -2][None], 0, None)     # choroid fades
+        img = img * np.where(idx >= len(LAYERS), np.exp(-depth_below * 8), 1.0)
+        speckle = rng.gamma(2.0, 0.5, size=img.shape).astype(np.float32)
+        img = gain * img * speckle + np.abs(rng.normal(0.03, 0.02, size=img.shape)).astype(np.float32)  # noise floor
+        img = np.log1p(40 * np.clip(img, 0, None)) / np.log1p(40 * 1.6)
+        out[f] = np.clip(img * 255, 0, 255).astype(np.uint8)
+    return out
+
+
+def _functional_group(spacing: tuple[float, float, float]) -> Dataset:
+    pm = Dataset()
+    pm.PixelSpacing = [f"{spacing[1]:.6g}", f"{spacing[2]:.6g}"]
+    pm.SliceThickness = f"{spacing[0]:.6g}"
+    fg = Dataset()
+    fg.PixelMeasuresSequence = DicomSequence([pm])
+    return fg
+
+
+def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float, float], *,
+                 participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str) -> Dataset:
+    """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed."""
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = OPT_SOP_CLASS
+    meta.MediaStorageSOPInstanceUID = sop_uid
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = OPT_SOP_CLASS, sop_uid
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
+    ds.Modality = "OPT"
+    ds.PatientID = participant
+    ds.Manufacturer, ds.ManufacturerModelName = spec.manufacturer, spec.model
+    ds.ImageLaterality = laterality
+    ds.Laterality = laterality
+    ds.SamplesPerPixel = 1
+    ds.PhotometricInterpretation = "MONOCHROME2"
+    ds.NumberOfFrames = vol.shape[0]
+    ds.Rows, ds.Columns = vol.shape[1], vol.shape[2]
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    if spec.per_frame_spacing:
+        ds.PerFrameFunctionalGroupsSequence = DicomSequence([_functional_group(spacing) for _ in range(vol.shape[0])])
+    else:
+        ds.SharedFunctionalGroupsSequence = DicomSequence([_functional_group(spacing)])
+    ds.PixelData = np.ascontiguousarray(vol).tobytes()
+    return ds
+
+
+def dicom_bytes(ds: Dataset, compress: str | None = None) -> bytes:
+    if compress:
+        ds = copy.deepcopy(ds)
+        ds.compress(compress, encoding_plugin="pylibjpeg")
+    buf = io.BytesIO()
+    ds.save_as(buf, enforce_file_format=True)
+    return buf.getvalue()
+
+
+@dataclasses.dataclass
+class SynthConfig:
+    participants: int = 16
+    scale: int = 8
+    seed: int = 0
+    signal: float = 0.0          # planted class cue strength (0: none)
+    bad_files: bool = True
+    split_column: bool = True    # write recommended_split (False exercises the fallback)
+    id_column: str = "participant_id"  # or person_id (release 3)
+    unlabeled: int = 1           # participants with an empty study_group
+
+
+def _participants(cfg: SynthConfig) -> pd.DataFrame:
+    from manifests.splits import stratified_split
+
+    ids = [str(1001 + i) for i in range(cfg.participants)]
+    groups = [STUDY_GROUPS[i % 4] for i in range(cfg.participants)]
+    for i in range(min(cfg.unlabeled, cfg.participants)):
+        groups[-1 - i] = ""
+    df = pd.DataFrame({
+        "participant_id": ids,
+        "clinical_site": [SITES[i % 3] for i in range(cfg.participants)],
+        "study_group": groups,
+        "age": [str(40 + (i * 7) % 40) for i in range(cfg.participants)],
+        "study_visit_date": ["2023-05-01"] * cfg.participants,
+    })
+    labels = pd.Series([STUDY_GROUPS.index(g) if g else None for g in groups], dtype="Int8")
+    df["recommended_split"] = stratified_split(pd.DataFrame({"participant_id": ids, "label": labels}), seed=cfg.seed)
+    df["retinal_oct"] = "TRUE"
+    if not cfg.split_column:
+        df = df.drop(columns=["recommended_split"])
+    return df.rename(columns={"participant_id": cfg.id_column})
+
+
+def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
+    """Write the tree under `out` (replacing it). Returns counts for the summary."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "retinal_oct").mkdir(parents=True)
+    rng = np.random.default_rng(cfg.seed)
+    people = _participants(cfg)
+    people.to_csv(out / "participants.tsv", sep="\t", index=False)
+    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "octa": 0}
+    device_names = list(DEVICES)
+    study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
+
+    def add_file(pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
+                 imaging: str = "OCT") -> None:
+        rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
+        if data is not None:
+            path = out / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        rows.append({
+            "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
+            "anatomic_region": "macula", "imaging": imaging, "laterality": lat.lower(),
+            "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
+            "pixel_spacing": "", "slice_thickness": "", "sop_instance_uid": sop_uid,
+            "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
+        })
+
+    def volume_dataset(pid, spec, lat, label, imaging="OCT", flip=False, vol_rng=None):
+        shape = scaled_shape(spec.name, cfg.scale)
+        f, r, c = spec.shape
+        spacing = tuple(s * n / m for s, n, m in zip(spec.spacing, (f, r, c), shape))
+        vol = make_volume(shape, vol_rng or rng, lat, label, cfg.signal)
+        if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
+            vol = vol[::-1].copy()
+        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
+        ds = make_dataset(vol, spec, spacing, participant=pid, laterality=lat, sop_uid=uid, study_uid=study_uid,
+                          series_uid=generate_uid(entropy_srcs=[uid, "series"]))
+        return ds, shape, uid
+
+    for i, row in people.iterrows():
+        pid = row[cfg.id_column]
+        g = row["study_group"]
+        label = STUDY_GROUPS.index(g) if g else None
+        spec = DEVICES[device_names[i % len(device_names)]]
+        for lat in ("R", "L"):
+            ds, shape, uid = volume_dataset(pid, spec, lat, label)
+            name = f"{pid}_{spec.short}_mac_oct_{lat.lower()}_{uid}.dcm"
+            add_file(pid, spec, lat, name, dicom_bytes(ds, spec.compress), shape, uid)
+            counts["good"] += 1
+        if spec.name == "heidelberg_spectralis":
+            seed_i = cfg.seed * 1000 + i
+            ds, shape, uid = volume_dataset(pid, spec, "R", label, "OCTA", flip=True,
+                                            vol_rng=np.random.default_rng(seed_i))
+            add_file(pid, spec, "R", f"{pid}_{spec.short}_mac_octa_r_{uid}.dcm", dicom_bytes(ds), shape, uid, "OCTA")
+            counts["good"] += 1
+            counts["octa"] += 1
+
+    if cfg.bad_files:
+        _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
+    pd.DataFrame(rows).to_csv(out / "retinal_oct" / "manifest.tsv", sep="\t", index=False)
+    return counts
+
+
+def _add_bad_files(pid: str, add_file, volume_dataset, counts: dict) -> None:
+    """The failure modes real buckets show, each listed in manifest.tsv."""
+    spec = DEVICES["topcon_triton"]
+    ds, shape, uid = volume_dataset(pid, spec, "R", 0)
+    good = dicom_bytes(ds)
+    add_file(pid, spec, "R", f"{pid}_triton_bad_truncated.dcm", good[: int(len(good) * 0.6)], shape, uid + ".1")
+    nopix = copy.deepcopy(ds)
+    del nopix.PixelData
+    add_file(pid, spec, "R", f"{pid}_triton_bad_nopixels.dcm", dicom_bytes(nopix), shape, uid + ".2")
+    mismatch = copy.deepcopy(ds)
+    mismatch.NumberOfFrames = shape[0] + 3
+    add_file(pid, spec, "R", f"{pid}_triton_bad_frames.dcm", dicom_bytes(mismatch), shape, uid + ".3")
+    add_file(pid, spec, "R", f"{pid}_triton_bad_notdicom.dcm", b"this is a text file, not DICOM\n" * 20,
+             shape, uid + ".4")
+    add_file(pid, spec, "R", f"{pid}_triton_bad_missing.dcm", None, shape, uid + ".5")
+    counts["bad"] += 4
+    counts["missing"] += 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ingest.synth", description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--participants", type=int, default=SynthConfig.participants)
+    ap.add_argument("--scale", type=int, default=SynthConfig.scale)
+    ap.add_argument("--seed", type=int, default=SynthConfig.seed)
+    ap.add_argument("--signal", type=float, default=SynthConfig.signal)
+    ap.add_argument("--no-bad-files", action="store_true")
+    ap.add_argument("--no-split-column", action="store_true")
+    ap.add_argument("--person-id", action="store_true", help="name the ID column person_id (release 3)")
+    a = ap.parse_args(argv)
+    if a.scale < 1 or a.participants < 1:
+        raise cli.UsageError("--scale and --participants must be >= 1")
+    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal,
+                      bad_files=not a.no_bad_files, split_column=not a.no_split_column,
+                      id_column="person_id" if a.person_id else "participant_id")
+    counts = generate(a.out, cfg)
+    n_bytes = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
+    print(f"synth: wrote {a.out}: {counts['good']} good volumes ({counts['octa']} Spectralis OCTA, frame-reversed), "
+          f"{counts['bad']} bad files, {counts['missing']} listed but missing; {n_bytes / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

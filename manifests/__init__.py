@@ -1,0 +1,1 @@
+"""AI-READI tables, Parquet schemas and participant-level splits."""

@@ -1,0 +1,202 @@
+"""`make manifest`: AI-READI tables + one listing of the dataset -> sources.parquet.
+
+One row per DICOM: every manifest.tsv row (present or not) and every .dcm found under
+retinal_oct/ that manifest.tsv does not list. Labels and splits are joined by participant.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import posixpath
+import time
+from collections import Counter
+from typing import Sequence
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from manifests import aireadi, schema, splits
+from octfm import cli, fsio
+
+MIRROR_RECORD = "octfm_mirror.parquet"
+OCT_DIR = "retinal_oct"
+
+
+def list_dataset(root: str) -> dict[str, dict]:
+    """One recursive listing of <root>/retinal_oct: relpath -> {size, version}."""
+    fs, base = fsio.filesystem(root)
+    oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR) if fsio.is_remote(root) else os.path.join(base, OCT_DIR)
+    if not fs.exists(oct_dir):
+        return {}
+    found = fs.find(oct_dir, detail=True)
+    base_norm = base.rstrip("/") + "/"
+    out = {}
+    for path, info in found.items():
+        if info.get("type") == "directory":
+            continue
+        rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
+        rel = rel.replace(os.sep, "/")
+        version = info.get("generation") or info.get("md5Hash") or info.get("etag") or info.get("mtime") or info.get("updated")
+        out[rel] = {"size": int(info.get("size") or 0), "version": str(version) if version is not None else None}
+    return out
+
+
+def read_mirror_record(root: str) -> dict[str, dict]:
+    """relpath -> expected hashes, from the record `make mirror` left beside the dataset."""
+    uri = fsio.join(root, MIRROR_RECORD)
+    if not fsio.exists(uri):
+        return {}
+    fs, path = fsio.filesystem(uri)
+    df = pq.read_table(path, filesystem=fs).to_pandas()
+    return {r["path"]: {"sha1": r.get("sha1"), "md5": r.get("md5")} for r in df.to_dict("records")}
+
+
+def _clean(v):
+    """pandas missing values (NaN, NA) -> None, so Arrow string columns stay strings."""
+    return None if v is None or (not isinstance(v, (list, str)) and pd.isna(v)) else v
+
+
+def _int_or_none(v: str):
+    try:
+        return int(float(v))
+    except (TypeError, ValueError):
+        return None
+
+
+def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
+    """The source rows and a summary dict (counts and warnings) for the dataset at `root`."""
+    p_uri, m_uri = fsio.join(root, "participants.tsv"), fsio.join(root, OCT_DIR, "manifest.tsv")
+    for uri in (p_uri, m_uri):
+        if not fsio.exists(uri):
+            raise cli.UsageError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
+    participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
+    participants, n_resplit = splits.fill_splits(participants, seed=seed)
+    oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
+    listing = list_dataset(root)
+    mirror = read_mirror_record(root)
+    people = participants.set_index("participant_id")
+
+    rows: list[dict] = []
+    seen: set[str] = set()
+    unknown_participants: set[str] = set()
+
+    def base_row(pid: str, rel: str | None, raw_path: str) -> dict:
+        info = people.loc[pid] if pid in people.index else None
+        if info is None and pid:
+            unknown_participants.add(pid)
+        label = None if info is None or pd.isna(info["label"]) else int(info["label"])
+        return {
+            "participant_id": pid or None,
+            "clinical_site": None if info is None else (_clean(info.get("clinical_site")) or None),
+            "study_group": None if info is None else _clean(info["study_group"]),
+            "label": label,
+            "split": None if info is None else _clean(info["split"]),
+            "relpath": rel if rel is not None else raw_path,
+            "source": fsio.join(root, rel) if rel is not None else None,
+        }
+
+    for r in oct_rows.to_dict("records"):
+        pid = r["participant_id"]
+        try:
+            rel = fsio.safe_relpath(r["filepath"], required_prefix=OCT_DIR)
+            error = None
+        except fsio.PathEscapeError as exc:
+            rel, error = None, f"bad path in manifest.tsv: {exc}"
+        row = base_row(pid, rel, r["filepath"])
+        row.update({
+            "device": aireadi.device_from_path(rel or "", r["manufacturer"], r["manufacturers_model_name"]),
+            "manufacturer": r["manufacturer"] or None,
+            "manufacturers_model_name": r["manufacturers_model_name"] or None,
+            "anatomic_region": r["anatomic_region"] or None,
+            "imaging": r["imaging"] or None,
+            "laterality": aireadi.normalize_laterality(r["laterality"]),
+            "sop_instance_uid": r["sop_instance_uid"] or None,
+            "listed": True,
+            "tsv_shape": [_int_or_none(r["number_of_frames"]), _int_or_none(r["height"]), _int_or_none(r["width"])],
+        })
+        if None in row["tsv_shape"]:
+            row["tsv_shape"] = None
+        if rel is not None:
+            if rel in seen:
+                error = "duplicate: manifest.tsv lists this file more than once"
+            seen.add(rel)
+            if error is None and rel not in listing:
+                error = "missing: listed in manifest.tsv but not found in the dataset"
+        if error is None and row["device"] is None:
+            error = "unknown device: neither the path nor manufacturer/model name a known scanner"
+        _attach_listing(row, rel, listing, mirror)
+        row["manifest_error"] = error
+        rows.append(row)
+
+    for rel in sorted(listing):
+        if rel in seen or not rel.lower().endswith(".dcm"):
+            continue
+        parts = rel.split("/")
+        device = aireadi.device_from_path(rel)
+        pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
+        row = base_row(pid or "", rel, rel)
+        row.update({"device": device, "listed": False, "laterality": None})
+        _attach_listing(row, rel, listing, mirror)
+        row["manifest_error"] = None if device else "unknown device: file not under a known scanner folder"
+        rows.append(row)
+
+    if unknown_participants:
+        warnings.append(f"{len(unknown_participants)} participant(s) in manifest.tsv are not in participants.tsv: null label")
+    leaks = splits.split_leaks(pd.DataFrame(rows))
+    if leaks:  # cannot happen by construction; guard the invariant anyway
+        raise RuntimeError(f"participants in two splits: {leaks[:10]}")
+    summary = {
+        "participants": len(participants), "resplit": n_resplit, "rows": len(rows),
+        "unlisted": sum(not r["listed"] for r in rows),
+        "row_errors": Counter((r["manifest_error"] or "").split(":")[0] for r in rows if r["manifest_error"]),
+        "devices": Counter(r["device"] for r in rows), "splits": Counter(r["split"] for r in rows),
+        "mirror_hashes": sum(bool(r["expected_sha1"] or r["expected_md5"]) for r in rows),
+        "warnings": warnings,
+    }
+    return rows, summary
+
+
+def _attach_listing(row: dict, rel: str | None, listing: dict, mirror: dict) -> None:
+    info = listing.get(rel or "", {})
+    row["size"] = info.get("size")
+    row["source_version"] = info.get("version")
+    rec = mirror.get(rel or "", {})
+    row["expected_sha1"] = rec.get("sha1") or None
+    row["expected_md5"] = rec.get("md5") or None
+
+
+def write_sources(rows: list[dict], out: str) -> None:
+    fsio.write_parquet_atomic(schema.to_table(rows, schema.SOURCES_SCHEMA), out)
+
+
+def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
+    print(f"manifest: read {root}, wrote {out} ({summary['rows']} rows, {summary['participants']} participants, {seconds:.1f}s)")
+    print(cli.format_table(["device", "files"], sorted(((k or "unknown"), v) for k, v in summary["devices"].items())))
+    print("splits: " + ", ".join(f"{k}={v}" for k, v in sorted((str(k), v) for k, v in summary["splits"].items())))
+    if summary["resplit"]:
+        print(f"split: {summary['resplit']} participant(s) had no recommended_split: seeded stratified 70/15/15")
+    if summary["unlisted"]:
+        print(f"note: {summary['unlisted']} .dcm file(s) found that manifest.tsv does not list (kept, listed=False)")
+    for reason, n in summary["row_errors"].items():
+        print(f"rows that cannot be cached: {n} {reason}")
+    print(f"mirror record hashes attached: {summary['mirror_hashes']}")
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make manifest", description=__doc__)
+    ap.add_argument("--source", required=True, help="dataset root (local folder or gs://bucket/path)")
+    ap.add_argument("--out", required=True, help="where to write sources.parquet")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fallback split")
+    ap.add_argument("--strict", action="store_true", help="exit 3 when any row cannot be cached")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows, summary = build_sources(args.source, seed=args.seed)
+    write_sources(rows, args.out)
+    print_summary(summary, args.out, args.source, time.perf_counter() - t0)
+    return cli.strict_status(sum(summary["row_errors"].values()), args.strict)
+
+
+if __name__ == "__main__":
+    cli.run(main)

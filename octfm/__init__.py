@@ -1,0 +1,1 @@
+"""Shared plumbing for the octfm stages: typed configs, exit codes, file systems."""

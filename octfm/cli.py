@@ -1,0 +1,51 @@
+"""Exit codes and the common wrapper every stage entry runs under.
+
+Contract (DESIGN.md): 0 finished (failed rows allowed), 3 with STRICT when rows failed,
+2 usage or config error, 1 anything else.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Callable, Sequence
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_STRICT = 3
+
+
+class UsageError(Exception):
+    """A bad argument, config key or input table: the message names the file and the key."""
+
+
+def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> None:
+    """Run a stage entry and turn its outcome into the documented exit status."""
+    try:
+        code = main(argv)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except SystemExit:
+        raise
+    except Exception:  # noqa: BLE001 - the top level reports everything else as status 1
+        traceback.print_exc()
+        code = EXIT_ERROR
+    sys.exit(code)
+
+
+def strict_status(n_failed: int, strict: bool) -> int:
+    """Status for a batch job that finished: 3 only when STRICT asked for it and rows failed."""
+    return EXIT_STRICT if (strict and n_failed) else EXIT_OK
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain fixed-width text table for end-of-command summaries."""
+    cells = [[str(h) for h in header]] + [[("" if v is None else str(v)) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Typed configs: YAML or dict -> nested dataclasses, rejecting unknown keys by name.
+
+Why: a typo such as `optim.lrr` must stop the run with the key named, not be ignored;
+`null` must stay None (never the string "None"); `a.b=c` overrides come from make ARGS.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+from octfm.cli import UsageError
+
+T = TypeVar("T")
+
+
+class ConfigError(UsageError):
+    """A config key is unknown, missing or of the wrong type."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: key '{key}': {value!r} fits none of {tp}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: key '{key}': {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key '{key}': expected a mapping, got {value!r}")
+        return from_dict(tp, value, prefix=f"{key}.", where=where)
+    if origin in (list, tuple, Sequence, typing.Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: key '{key}': expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: key '{key}': expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{key}[{i}]", where) for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: key '{key}': expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: key '{key}': expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: key '{key}': expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: key '{key}': expected a string, got {value!r}")
+    if value is None:
+        raise ConfigError(f"{where}: key '{key}': may not be null")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{where}: key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict, prefix: str = "", where: str = "config") -> T:
+    """Build dataclass `cls` from `data`; unknown keys raise ConfigError naming them."""
+    if data is None:
+        data = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        names = ", ".join(f"'{prefix}{k}'" for k in unknown)
+        raise ConfigError(f"{where}: unknown key {names} (known: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], prefix + name, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing key '{prefix}{name}'")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain data (dicts, lists, scalars) for YAML, JSON and checkpoints."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def parse_overrides(items: Sequence[str], where: str = "ARGS") -> dict:
+    """Turn ["a.b=1", "c=null"] into a nested dict; values parse as YAML scalars."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{where}: override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Recursive dict merge; `over` wins."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
+    """Read YAML at `path` (or defaults when None), apply overrides, type-check."""
+    data: dict = {}
+    where = "defaults"
+    if path:
+        where = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    if overrides:
+        data = merge(data, parse_overrides(overrides))
+        where = f"{where} + ARGS"
+    return from_dict(cls, data, where=where)

@@ -1,0 +1,133 @@
+"""One way to reach local folders and gs:// buckets (fsspec), with atomic writes.
+
+Why: every stage reads or writes both kinds of location; the emulator used in tests and
+real GCS differ only in environment (STORAGE_EMULATOR_HOST), never in code paths.
+"""
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import tempfile
+import uuid
+from pathlib import Path
+
+import fsspec
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+class PathEscapeError(ValueError):
+    """A manifest path that would leave the dataset root."""
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in str(uri) and not str(uri).startswith("file://")
+
+
+def storage_options(uri: str) -> dict:
+    """Options for fsspec: on gs://, anonymous access when an emulator is configured."""
+    if str(uri).startswith(("gs://", "gcs://")):
+        opts: dict = {}
+        host = os.environ.get("STORAGE_EMULATOR_HOST")
+        if host:
+            opts["token"] = "anon"
+            opts["endpoint_url"] = host if host.startswith("http") else f"http://{host}"
+        elif os.environ.get("OCTFM_GCS_TOKEN"):
+            opts["token"] = os.environ["OCTFM_GCS_TOKEN"]
+        return opts
+    return {}
+
+
+def filesystem(uri: str):
+    """(fs, path) for a local path or URL."""
+    uri = str(uri)
+    if not is_remote(uri):
+        return fsspec.filesystem("file"), os.path.abspath(uri.removeprefix("file://"))
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri))
+    return fs, path
+
+
+def join(root: str, *parts: str) -> str:
+    root = str(root)
+    if is_remote(root):
+        return posixpath.join(root.rstrip("/"), *parts)
+    return os.path.join(root, *parts)
+
+
+def safe_relpath(rel: str, required_prefix: str | None = None) -> str:
+    """Normalise a manifest path to a relative POSIX path inside the root, or raise.
+
+    AI-READI writes paths like `/retinal_oct/...` meaning relative to the dataset root: one
+    leading slash is accepted. URLs, `..` that climbs out, backslashes and NULs are refused.
+    """
+    if rel is None or str(rel).strip() == "":
+        raise PathEscapeError("empty path")
+    s = str(rel).strip()
+    if "://" in s or s.startswith("gs:") or "\\" in s or "\x00" in s:
+        raise PathEscapeError(f"path {s!r} is not inside the dataset root")
+    if s.startswith("//"):
+        raise PathEscapeError(f"path {s!r} is not inside the dataset root")
+    s = s.removeprefix("/")
+    norm = posixpath.normpath(s)
+    if norm.startswith("../") or norm == ".." or norm.startswith("/") or norm == ".":
+        raise PathEscapeError(f"path {rel!r} leaves the dataset root")
+    if required_prefix and not (norm + "/").startswith(required_prefix.rstrip("/") + "/"):
+        raise PathEscapeError(f"path {rel!r} is outside {required_prefix.rstrip('/')}/")
+    return norm
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = filesystem(uri)
+    return fs.cat_file(path)
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.exists(path)
+
+
+def read_text(uri: str) -> str:
+    return read_bytes(uri).decode("utf-8-sig")
+
+
+def atomic_write_bytes(uri: str, data: bytes) -> None:
+    """Write so that a reader sees the old file or the whole new one, never a torn one.
+
+    Local: temp file in the same folder, fsync, rename. gs://: an object upload is atomic
+    (it is visible only once complete), so a single put is enough.
+    """
+    uri = str(uri)
+    if is_remote(uri):
+        fs, path = filesystem(uri)
+        fs.pipe_file(path, data)
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_parquet_atomic(table, uri: str) -> None:
+    """Serialise a pyarrow Table to Parquet and write it atomically."""
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    atomic_write_bytes(uri, buf.getvalue())
+
+
+def temp_name(name: str, tag: str = "") -> str:
+    """A sibling temp name that cleanup can recognise (`.<name>.tmp-<tag>-<uuid>`)."""
+    return f".{name}.tmp-{tag}-{uuid.uuid4().hex[:12]}"
