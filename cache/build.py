@@ -262,16 +262,19 @@ def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> Non
     fsio.write_parquet_atomic(schema.to_table(rows, schema.CACHE_SCHEMA), part_uri(cache_root, shard))
 
 
-def remove_other_partitions(cache_root: str, shard: tuple[int, int]) -> None:
-    """Parts written with another N are superseded by this sharding."""
+def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
+    """Drop parts written with another N (superseded by this sharding) and this part's
+    temp files from a killed run."""
     fs, base = fsio.filesystem(fsio.join(cache_root, "manifest.parquet"))
     if not fs.isdir(base):
         if fs.exists(base):
             fs.rm(base)
         return
+    mine = os.path.basename(part_uri(cache_root, shard))
     for p in fs.ls(base, detail=False):
         name = os.path.basename(p)
-        if name.startswith("part-") and not name.endswith(f"-of-{shard[1]:04d}.parquet"):
+        if (name.startswith("part-") and not name.endswith(f"-of-{shard[1]:04d}.parquet")) or \
+                name.startswith(f".{mine}.tmp-"):
             fs.rm(p)
 
 
@@ -302,7 +305,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     rows = [r for r in load_sources(source, cache_root) if in_shard(r["relpath"], shard)]
     done, todo = plan(rows, cfg, cache_root, shard)
     reused = sum(1 for r in done if r.pop("reused", False))
-    remove_other_partitions(cache_root, shard)
+    tidy_manifest_dir(cache_root, shard)
     by_path = {r["relpath"]: r for r in done}
     pending = {r["relpath"]: r for r in todo}
     bar = tqdm(total=len(todo), desc="cache", unit="vol", disable=not progress or not todo, file=sys.stderr)

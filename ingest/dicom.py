@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pydicom
 from pydicom.errors import InvalidDicomError
+from pydicom.pixels import get_decoder
 
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
@@ -117,32 +118,38 @@ def spacing_of(ds: pydicom.Dataset) -> tuple[float, float, float] | None:
     return None
 
 
+def choose_plugin(ts, decoder: str = "auto") -> str:
+    """The decoding plugin for a transfer syntax: the configured one if it can, else the
+    fastest available (gdcm, pylibjpeg, pillow), else pydicom's own choice ("")."""
+    if not ts.is_compressed:
+        return ""
+    try:
+        available = get_decoder(ts).available_plugins
+    except NotImplementedError:
+        return ""
+    for plugin in ((decoder,) if decoder != "auto" else ()) + DECODER_ORDER:
+        if plugin in available:
+            return plugin
+    return ""
+
+
 def decode(ds: pydicom.Dataset, frames: int, rows: int, cols: int, decoder: str = "auto") -> np.ndarray:
     """Decode pixels as [frames, rows, cols]; MONOCHROME1 is inverted to MONOCHROME2."""
     ts = ds.file_meta.TransferSyntaxUID
-    plugins = [""] if not ts.is_compressed else (DECODER_ORDER if decoder == "auto" else (decoder,))
-    last: Exception | None = None
-    arr = None
-    for plugin in plugins:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                opts = {"raw": True}
-                if plugin:
-                    opts["decoding_plugin"] = plugin
-                ds.pixel_array_options(**opts)
-                arr = ds.pixel_array
-            break
-        except (RuntimeError, ValueError) as exc:  # plugin missing or data unreadable by it
-            last = exc
-            if "No plugins" in str(exc) or "not available" in str(exc) or "missing" in str(exc):
-                continue
-            break
-        except Exception as exc:  # noqa: BLE001 - vendor data breaks decoders in many ways
-            last = exc
-            break
-    if arr is None:
-        raise BadInput(f"pixel data unreadable ({ts.name}): {type(last).__name__}: {last}")
+    opts = {"raw": True}
+    plugin = choose_plugin(ts, decoder)
+    if plugin:
+        opts["decoding_plugin"] = plugin
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds.pixel_array_options(**opts)
+            arr = ds.pixel_array
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - vendor data breaks decoders in many ways
+        raise BadInput(f"pixel data unreadable ({ts.name}, {plugin or 'default'} decoder): "
+                       f"{type(exc).__name__}: {exc}") from None
     arr = arr.reshape((frames, rows, cols)) if arr.size == frames * rows * cols else None
     if arr is None:
         raise BadInput(f"frame count mismatch: decoded pixel data does not hold {frames}x{rows}x{cols}")

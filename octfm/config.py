@@ -76,6 +76,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: key '{key}': expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

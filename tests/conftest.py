@@ -1,0 +1,97 @@
+"""Shared fixtures: synthetic datasets, and real servers (GCS emulator, S3) on loopback."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ingest import synth
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SMALL = ["preprocess.target_shape=[16,48,48]"]  # a small grid keeps tests fast
+
+
+def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a stage entry as a user would (python -m ...), capturing output and status."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"server on port {port} did not start")
+
+
+@pytest.fixture(scope="session")
+def synth_tree(tmp_path_factory) -> Path:
+    """The default synthetic AI-READI tree (with its bad files), generated once."""
+    out = tmp_path_factory.mktemp("synth") / "dataset"
+    synth.generate(out, synth.SynthConfig(participants=8, scale=8, seed=1))
+    return out
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A real GCS JSON API emulator on 127.0.0.1; yields its URL, sets the environment."""
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
+                             "--in-memory"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        old = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = url
+        yield url
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (B2 speaks S3); yields its endpoint URL."""
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def gcs_bucket(name: str):
+    """Create (or reuse) a bucket on the emulator; returns a gcsfs filesystem."""
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"])
+    if not fs.exists(name):
+        fs.mkdir(name)
+    fs.invalidate_cache()
+    return fs

@@ -1,0 +1,186 @@
+import copy
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pydicom
+import pytest
+from pydicom.data import get_testdata_file
+
+from cache import build, store
+from conftest import REPO, SMALL, run_cli
+from ingest import preprocess as prep
+from ingest import synth
+from manifests import schema
+from octfm import config
+
+CFG = config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [16, 48, 48]}, "workers": 2})
+
+
+def test_real_files_in_four_transfer_syntaxes_cache_identically(tmp_path):
+    """pydicom-data's emri_small (MR, 16-bit) as native, JPEG 2000, RLE and big endian,
+    relabelled as OPT with the pixel data untouched, give the same cached volume."""
+    cfg = config.to_dict(CFG)
+    volumes, syntaxes = [], set()
+    for name in ("emri_small.dcm", "emri_small_jpeg_2k_lossless.dcm", "emri_small_RLE.dcm", "emri_small_big_endian.dcm"):
+        ds = pydicom.dcmread(get_testdata_file(name))
+        ds.SOPClassUID = ds.file_meta.MediaStorageSOPClassUID = synth.OPT_SOP_CLASS
+        ds.Modality = "OPT"
+        path = tmp_path / name
+        ds.save_as(path)
+        row = {"relpath": f"retinal_oct/x/{name}", "source": str(path), "cache_key": "k", "size": None}
+        out = build.process_row(row, cfg, str(tmp_path / "cache"), "t")
+        assert out["status"] == "ok", out["error"]
+        assert out["native_shape"] == [10, 64, 64] and out["bits_stored"] == 12  # 16-bit words, 12 bits used
+        syntaxes.add(out["transfer_syntax"])
+        volumes.append(store.read_volume(str(tmp_path / "cache"), out["volume"]))
+    assert len(syntaxes) == 4
+    for v in volumes[1:]:
+        np.testing.assert_array_equal(v, volumes[0])
+    assert volumes[0].std() > 10  # real content, not a blank
+
+
+def test_wrong_sop_class_is_refused(tmp_path):
+    path = get_testdata_file("emri_small.dcm")
+    row = {"relpath": "retinal_oct/x/mr.dcm", "source": path, "cache_key": "k"}
+    out = build.process_row(row, config.to_dict(CFG), str(tmp_path), "t")
+    assert out["status"] == "failed" and out["error"].startswith("wrong SOP class")
+
+
+def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
+    cache = tmp_path / "cache"
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(cache / "manifest.parquet")
+    failed = df[df.status == "failed"].set_index(df[df.status == "failed"].relpath.str.extract(r"bad_(\w+)\.dcm")[0])
+    assert failed.loc["truncated", "error"].startswith("truncated pixel data")
+    assert failed.loc["nopixels", "error"].startswith("no PixelData")
+    assert failed.loc["frames", "error"].startswith("frame count mismatch: NumberOfFrames=")
+    assert failed.loc["notdicom", "error"].startswith("not DICOM")
+    assert failed.loc["missing", "error"].startswith("missing:")
+    assert len(failed) == 5 and failed.volume.isna().all()
+    ok = df[df.status == "ok"]
+    assert len(ok) == len(df) - 5 and ok.error.isna().all()
+    assert all(list(s) == [16, 48, 48] for s in ok["shape"])
+    assert (ok.hi > ok.lo).all()
+    assert "failure reason" in r.stdout and "total" in r.stdout
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", "--strict", *SMALL)
+    assert r.returncode == 3
+    assert "5 processed" in r.stdout  # failed rows are retried, ok ones reused
+
+
+def test_bad_config_key_exits_2_and_names_key(synth_tree, tmp_path):
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(tmp_path), "preprocess.target_shap=[1,2,3]")
+    assert r.returncode == 2 and "preprocess.target_shap" in r.stderr
+
+
+def test_subsampled_window_within_one_level_of_full():
+    """On realistic volumes (Triton aspect, half native size) the strided window is within
+    one intensity level of the full-volume window, from far fewer voxels."""
+    cfg = prep.PreprocessConfig(window_samples=200_000)
+    rng = np.random.default_rng(0)
+    for lat in ("R", "L", "R"):
+        vol = synth.make_volume((128, 496, 256), rng, lat)
+        full = prep.full_window(vol, cfg)
+        sub = prep.window(vol, cfg)
+        assert abs(sub[0] - full[0]) <= 1 and abs(sub[1] - full[1]) <= 1, (sub, full)
+
+
+def test_histogram_quantiles_match_numpy():
+    rng = np.random.default_rng(1)
+    for dtype, high in ((np.uint8, 256), (np.uint16, 4096)):
+        x = rng.integers(0, high, size=10_001, dtype=dtype)
+        np.testing.assert_allclose(prep.quantiles(x, (1, 37.5, 99)), np.percentile(x, (1, 37.5, 99)))
+
+
+def test_constant_volume_is_refused():
+    with pytest.raises(Exception, match="constant volume"):
+        prep.preprocess(np.full((4, 8, 8), 7, np.uint8), prep.PreprocessConfig(target_shape=(4, 8, 8)))
+
+
+def test_spectralis_octa_is_flipped_to_common_orientation(tmp_path):
+    spec = synth.DEVICES["heidelberg_spectralis"]
+    vol = synth.make_volume((8, 62, 96), np.random.default_rng(5), "R")
+    cfg = config.to_dict(CFG)
+    outs = {}
+    for imaging, data in (("OCT", vol), ("OCTA", vol[::-1].copy())):
+        ds = synth.make_dataset(data, spec, (0.1, 0.01, 0.01), participant="1", laterality="R",
+                                sop_uid=f"1.2.3.{len(outs)}", study_uid="1.2", series_uid="1.2.4")
+        path = tmp_path / f"{imaging}.dcm"
+        path.write_bytes(synth.dicom_bytes(ds))
+        row = {"relpath": f"retinal_oct/structural_oct/{spec.name}/1/{imaging.lower()}.dcm", "source": str(path),
+               "cache_key": "k", "device": spec.name, "imaging": imaging}
+        out = build.process_row(row, cfg, str(tmp_path / "c"), "t")
+        assert out["status"] == "ok", out["error"]
+        outs[imaging] = (out, store.read_volume(str(tmp_path / "c"), out["volume"]))
+    assert outs["OCTA"][0]["flipped_axes"] == [0] and outs["OCT"][0]["flipped_axes"] == []
+    np.testing.assert_array_equal(outs["OCT"][1], outs["OCTA"][1])
+
+
+def _comparable(df):
+    df = df.drop(columns=list(schema.TIMING_COLUMNS)).sort_values("relpath").reset_index(drop=True)
+    return df.astype(str)
+
+
+def test_killed_build_resumes_to_the_same_result(tmp_path):
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=16, scale=4, seed=2))
+    args = ["--no-progress", "preprocess.target_shape=[32,128,128]", "flush_every_s=0.2"]
+    clean = tmp_path / "clean"
+    assert run_cli("cache.build", "--source", str(src), "--cache", str(clean), *args).returncode == 0
+    ref = pd.read_parquet(clean / "manifest.parquet")
+    n_ok = (ref.status == "ok").sum()
+    for trial, wait_for in enumerate((2, n_ok // 2)):
+        cache = tmp_path / f"killed{trial}"
+        proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--source", str(src), "--cache", str(cache), *args],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            done = len(list((cache / "volumes").rglob("zarr.json"))) if (cache / "volumes").exists() else 0
+            if done >= wait_for:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the build finished before it could be killed; make the test data larger"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        r = run_cli("cache.build", "--source", str(src), "--cache", str(cache), *args)
+        assert r.returncode == 0, r.stderr
+        assert "reused" in r.stdout
+        got = pd.read_parquet(cache / "manifest.parquet")
+        pd.testing.assert_frame_equal(_comparable(got.drop(columns=["source"])), _comparable(ref.drop(columns=["source"])))
+        for vol in ref.volume.dropna():
+            np.testing.assert_array_equal(store.read_volume(str(cache), vol), store.read_volume(str(clean), vol))
+        assert not [p for p in cache.rglob("*") if ".tmp-" in p.name], "temp arrays left behind"
+
+
+def test_shards_write_parts_that_read_back_as_one_table(synth_tree, tmp_path):
+    cache = tmp_path / "cache"
+    for i in range(3):
+        r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--shard", f"{i}/3",
+                    "--no-progress", *SMALL)
+        assert r.returncode == 0, r.stderr
+    parts = sorted((cache / "manifest.parquet").glob("part-*.parquet"))
+    assert len(parts) == 3
+    df = pd.read_parquet(cache / "manifest.parquet")  # plain pandas over the part directory
+    assert df.relpath.is_unique and len(df) == len(pd.read_parquet(cache / "sources.parquet"))
+    assert str(schema.read_table(str(parts[0])).schema.field("error").type) == "string"
+    one = tmp_path / "one"
+    run_cli("cache.build", "--source", str(synth_tree), "--cache", str(one), "--no-progress", *SMALL)
+    single = pd.read_parquet(one / "manifest.parquet")
+    assert sorted(single.relpath) == sorted(df.relpath)
+    assert (single.sort_values("relpath").status.values == df.sort_values("relpath").status.values).all()
+
+
+def test_changed_parameters_redo_volumes(synth_tree, tmp_path):
+    cache = tmp_path / "cache"
+    run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress",
+                "preprocess.target_shape=[8,32,32]")
+    df = pd.read_parquet(cache / "manifest.parquet")
+    assert " 0 reused" in r.stdout
+    assert all(list(s) == [8, 32, 32] for s in df[df.status == "ok"]["shape"])

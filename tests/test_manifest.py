@@ -1,0 +1,95 @@
+import pandas as pd
+import pytest
+
+from ingest import synth
+from manifests import build, splits
+from manifests.aireadi import STUDY_GROUPS
+from octfm import fsio
+from octfm.cli import UsageError
+
+
+def make_tree(tmp_path, **kw):
+    root = tmp_path / "ds"
+    synth.generate(root, synth.SynthConfig(participants=kw.pop("participants", 12), scale=16, seed=3, **kw))
+    return root
+
+
+def test_rows_labels_and_reasons(tmp_path):
+    root = make_tree(tmp_path)
+    rows, summary = build.build_sources(str(root))
+    df = pd.DataFrame(rows)
+    assert len(df) == len(pd.read_csv(root / "retinal_oct" / "manifest.tsv", sep="\t"))
+    missing = df[df.relpath.str.contains("bad_missing")]
+    assert missing.manifest_error.iloc[0].startswith("missing:")
+    unlabeled = df[df.study_group.isna()]
+    assert len(unlabeled) > 0 and unlabeled.label.isna().all() and unlabeled.split.notna().all()
+    labeled = df[df.study_group.notna()]
+    assert (labeled.label == labeled.study_group.map(STUDY_GROUPS.index)).all()
+    assert set(df.device) == {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton", "zeiss_cirrus"}
+    assert splits.split_leaks(df) == []
+
+
+def test_person_id_and_fallback_split_have_no_leaks(tmp_path):
+    root = make_tree(tmp_path, participants=40, id_column="person_id", split_column=False, bad_files=False)
+    rows, summary = build.build_sources(str(root), seed=7)
+    df = pd.DataFrame(rows)
+    assert summary["resplit"] == 40
+    assert splits.split_leaks(df) == []
+    per_person = df.groupby("participant_id").split.first().value_counts(normalize=True)
+    assert per_person["train"] == pytest.approx(0.70, abs=0.1)
+    assert per_person["val"] == pytest.approx(0.15, abs=0.1) and per_person["test"] == pytest.approx(0.15, abs=0.1)
+    again = pd.DataFrame(build.build_sources(str(root), seed=7)[0])
+    assert (again.split == df.split).all(), "the fallback split must be deterministic"
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "gs://other-bucket/x.dcm",
+                                 "/retinal_oct/../../secret.dcm", "retinal_oct\\..\\x.dcm"])
+def test_paths_that_leave_the_root_become_failed_rows(tmp_path, bad):
+    root = make_tree(tmp_path, participants=4, bad_files=False)
+    tsv = root / "retinal_oct" / "manifest.tsv"
+    df = pd.read_csv(tsv, sep="\t", dtype=str, keep_default_na=False)
+    df.loc[0, "filepath"] = bad
+    df.to_csv(tsv, sep="\t", index=False)
+    rows, _ = build.build_sources(str(root))
+    row = [r for r in rows if r["relpath"] == bad][0]
+    assert row["manifest_error"].startswith("bad path") and row["source"] is None
+
+
+def test_safe_relpath_accepts_aireadi_form():
+    assert fsio.safe_relpath("/retinal_oct/structural_oct/a/b.dcm", "retinal_oct") == "retinal_oct/structural_oct/a/b.dcm"
+    with pytest.raises(fsio.PathEscapeError):
+        fsio.safe_relpath("/retinal_oct/../participants.tsv", "retinal_oct")
+
+
+def test_missing_column_names_file_and_column(tmp_path):
+    root = make_tree(tmp_path, participants=4, bad_files=False)
+    p = root / "participants.tsv"
+    df = pd.read_csv(p, sep="\t", dtype=str)
+    df.drop(columns=["study_group"]).to_csv(p, sep="\t", index=False)
+    with pytest.raises(UsageError, match=r"participants.tsv: missing column\(s\) study_group"):
+        build.build_sources(str(root))
+
+
+def test_unlisted_dicom_is_kept(tmp_path):
+    root = make_tree(tmp_path, participants=4, bad_files=False)
+    extra = root / "retinal_oct/structural_oct/topcon_triton/1001/extra.dcm"
+    extra.parent.mkdir(parents=True, exist_ok=True)
+    extra.write_bytes(b"x")
+    rows, summary = build.build_sources(str(root))
+    row = [r for r in rows if r["relpath"].endswith("extra.dcm")][0]
+    assert row["listed"] is False and row["participant_id"] == "1001" and summary["unlisted"] == 1
+
+
+def test_manifest_cli_writes_parquet(tmp_path):
+    from conftest import run_cli
+
+    root = make_tree(tmp_path, participants=4)
+    out = tmp_path / "sources.parquet"
+    r = run_cli("manifests.build", "--source", str(root), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "rows that cannot be cached: 1 missing" in r.stdout
+    assert len(pd.read_parquet(out)) > 0
+    r = run_cli("manifests.build", "--source", str(root), "--out", str(out), "--strict")
+    assert r.returncode == 3
+    r = run_cli("manifests.build", "--source", str(tmp_path / "nowhere"), "--out", str(out))
+    assert r.returncode == 2 and "participants.tsv not found" in r.stderr
