@@ -47,8 +47,8 @@ def read_mirror_record(root: str) -> dict[str, dict]:
     if not fsio.exists(uri):
         return {}
     fs, path = fsio.filesystem(uri)
-    df = pq.read_table(path, filesystem=fs).to_pandas()
-    return {r["path"]: {"sha1": r.get("sha1"), "md5": r.get("md5")} for r in df.to_dict("records")}
+    rows = pq.read_table(path, filesystem=fs, columns=["path", "sha1", "md5"]).to_pylist()
+    return {r["path"]: {"sha1": r["sha1"], "md5": r["md5"]} for r in rows}
 
 
 def _clean(v):

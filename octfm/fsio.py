@@ -14,7 +14,6 @@ from pathlib import Path
 
 import fsspec
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 class PathEscapeError(ValueError):

@@ -1,6 +1,8 @@
 """Shared fixtures: synthetic datasets, and real servers (GCS emulator, S3) on loopback."""
 from __future__ import annotations
 
+import octfm  # noqa: F401  (sets gcsfs environment before gcsfs is imported)
+
 import os
 import socket
 import subprocess
@@ -30,17 +32,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
+def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Start a server whose output goes to a file (a pipe nobody reads would fill and block it)."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited early: {proc.stdout.read() if proc.stdout else ''}")
+            raise RuntimeError(f"server exited early: {log.read_text()[-2000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
+                return proc
         except OSError:
             time.sleep(0.2)
-    raise TimeoutError(f"server on port {port} did not start")
+    proc.kill()
+    raise TimeoutError(f"server on port {port} did not start: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -52,13 +58,12 @@ def synth_tree(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator():
+def gcs_emulator(tmp_path_factory):
     """A real GCS JSON API emulator on 127.0.0.1; yields its URL, sets the environment."""
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-                             "--in-memory"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_server([str(BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
+                         "--in-memory"], port, tmp_path_factory.mktemp("gcs") / "emulator.log")
     try:
-        wait_port(port, proc)
         url = f"http://127.0.0.1:{port}"
         old = os.environ.get("STORAGE_EMULATOR_HOST")
         os.environ["STORAGE_EMULATOR_HOST"] = url
@@ -73,13 +78,12 @@ def gcs_emulator():
 
 
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 (B2 speaks S3); yields its endpoint URL."""
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_server([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port,
+                        tmp_path_factory.mktemp("s3") / "moto.log")
     try:
-        wait_port(port, proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

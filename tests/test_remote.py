@@ -1,0 +1,110 @@
+"""Real servers on loopback: rclone from an S3 server (moto, as B2 speaks S3) to a GCS
+emulator; the cache built from gs:// sources into a gs:// cache; staging with rclone."""
+import os
+
+import boto3
+import numpy as np
+import pandas as pd
+import pytest
+
+from cache import store
+from conftest import SMALL, gcs_bucket, run_cli
+
+
+def s3_env(endpoint: str) -> dict:
+    env = {
+        "RCLONE_CONFIG_B2_TYPE": "s3", "RCLONE_CONFIG_B2_PROVIDER": "Other",
+        "RCLONE_CONFIG_B2_ENDPOINT": endpoint, "RCLONE_CONFIG_B2_ACCESS_KEY_ID": "testing",
+        "RCLONE_CONFIG_B2_SECRET_ACCESS_KEY": "testing", "RCLONE_CONFIG_B2_REGION": "us-east-1",
+    }
+    return env
+
+
+@pytest.fixture
+def no_ca_bundle(monkeypatch):
+    # This machine sets AWS_CA_BUNDLE; rclone's s3 backend then fails on plain-http endpoints.
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+
+
+def upload_tree(endpoint: str, bucket: str, root) -> int:
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    n = 0
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), bucket, f"dataset/{p.relative_to(root).as_posix()}")
+            n += 1
+    return n
+
+
+def test_mirror_s3_to_gcs_then_cache_from_gs(synth_tree, s3_server, gcs_emulator, tmp_path, no_ca_bundle):
+    n = upload_tree(s3_server, "aireadi", synth_tree)
+    fs = gcs_bucket("mirror-bucket")
+    env = s3_env(s3_server)
+    r = run_cli("ingest.mirror", "--src", "b2:aireadi/dataset", "--dst", "gs://mirror-bucket/dataset",
+                "--no-progress", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{n} files" in r.stdout and f"copied {n} this run" in r.stdout
+    assert "verified" in r.stdout
+    record = pd.read_parquet(fs.open("mirror-bucket/dataset/octfm_mirror.parquet"))
+    assert len(record) == n and record.verified.all()
+    # S3 listings carry MD5 (ETag), not SHA-1: the record says so for every file
+    assert record.sha1.isna().all() and record.md5.notna().all()
+    assert record.hash_note.str.startswith("no SHA-1").all()
+    fs.invalidate_cache()
+    assert fs.du("mirror-bucket/dataset") > 0
+
+    r = run_cli("ingest.mirror", "--src", "b2:aireadi/dataset", "--dst", "gs://mirror-bucket/dataset",
+                "--no-progress", env=env)
+    assert r.returncode == 0 and "copied 0 this run" in r.stdout, r.stdout + r.stderr
+
+    cache = "gs://mirror-bucket/cache"
+    r = run_cli("cache.build", "--source", "gs://mirror-bucket/dataset", "--cache", cache, "--no-progress", *SMALL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    df = pd.read_parquet(fs.open("mirror-bucket/cache/manifest.parquet/part-0000-of-0001.parquet"))
+    assert (df.status == "ok").sum() == len(df) - 5
+    assert df.expected_md5.notna().sum() >= len(df) - 1  # the mirror record's MD5s reached the rows
+    assert df.source.str.startswith("gs://mirror-bucket/dataset/").all()
+
+    local = tmp_path / "local"
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(local), "--no-progress", *SMALL)
+    ref = pd.read_parquet(local / "manifest.parquet")
+    for vol in ref.volume.dropna():
+        np.testing.assert_array_equal(store.read_volume(cache, vol), store.read_volume(str(local), vol))
+
+    r = run_cli("cache.build", "--source", "gs://mirror-bucket/dataset", "--cache", cache, "--no-progress", *SMALL)
+    assert f"{(df.status == 'ok').sum()} reused" in r.stdout, r.stdout
+
+    staged = tmp_path / "staged"
+    r = run_cli("cache.stage", "--cache", cache, "--local", str(staged), "--no-progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verified" in r.stdout
+    staged_df = pd.read_parquet(staged / "manifest.parquet")
+    assert len(staged_df) == len(df)
+    for vol in ref.volume.dropna():
+        np.testing.assert_array_equal(store.read_volume(str(staged), vol), store.read_volume(str(local), vol))
+
+
+def test_local_mirror_records_sha1_and_cache_catches_a_changed_file(synth_tree, tmp_path):
+    dst = tmp_path / "gcs"
+    r = run_cli("ingest.mirror", "--src", str(synth_tree), "--dst", str(dst), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    record = pd.read_parquet(dst / "octfm_mirror.parquet")
+    assert record.sha1.notna().all() and record.verified.all()
+    victim = sorted(dst.rglob("*triton_mac_oct_r*.dcm"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # same size, different content: rclone's size check cannot see it
+    victim.write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    r = run_cli("cache.build", "--source", str(dst), "--cache", str(cache), "--no-progress", *SMALL)
+    assert r.returncode == 0
+    df = pd.read_parquet(cache / "manifest.parquet")
+    row = df[df.relpath.str.endswith(victim.name)].iloc[0]
+    assert row.status == "failed" and row.error.startswith("checksum mismatch: SHA-1")
+    assert (df[df.status == "ok"].sha1 == df[df.status == "ok"].expected_sha1).all()
+
+
+def test_stage_reports_verification_failure_for_missing_source(tmp_path):
+    r = run_cli("cache.stage", "--cache", str(tmp_path / "nothing"), "--local", str(tmp_path / "x"), "--no-progress")
+    assert r.returncode in (1, 2) and ("no files" in r.stderr or "could not list" in r.stderr)
