@@ -11,8 +11,6 @@ import dataclasses
 import math
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from ingest.dicom import BadInput
 
@@ -92,6 +90,9 @@ def full_window(pixels: np.ndarray, cfg: PreprocessConfig) -> tuple[float, float
 def rescale_resize(pixels: np.ndarray, lo: float, hi: float, target: tuple[int, int, int],
                    slab_frames: int = 16) -> np.ndarray:
     """Clip to [lo, hi], map to 0..255 and resample to `target`, returning uint8."""
+    import torch  # here, not at module top: the driver process never needs it
+    import torch.nn.functional as F
+
     frames, rows, cols = pixels.shape
     d, h, w = target
     scale = 255.0 / (hi - lo)

@@ -11,14 +11,12 @@ import argparse
 import copy
 import dataclasses
 import io
-import os
 import shutil
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
-import pydicom
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid

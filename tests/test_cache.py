@@ -1,5 +1,3 @@
-import copy
-import io
 import os
 import signal
 import subprocess

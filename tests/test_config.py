@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from octfm import config
-from cache.build import CacheConfig
+from cache.config import CacheConfig
 
 
 @dataclasses.dataclass

@@ -1,6 +1,5 @@
 """Real servers on loopback: rclone from an S3 server (moto, as B2 speaks S3) to a GCS
 emulator; the cache built from gs:// sources into a gs:// cache; staging with rclone."""
-import os
 
 import boto3
 import numpy as np

@@ -1,0 +1,72 @@
+# octfm: every stage is a make target. Variables (see README): SRC DST SOURCE CACHE LOCAL
+# CONFIG ARGS CKPT RUN SHARD STRICT. `make demo` and `make test` set everything up themselves.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+SRC    ?= data/demo/b2
+DST    ?= data/demo/gcs
+SOURCE ?= $(DST)
+CACHE  ?= data/cache
+LOCAL  ?= data/local_cache
+CONFIG ?=
+ARGS   ?=
+SHARD  ?=
+STRICT ?= 0
+
+strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
+shard_flag  = $(if $(SHARD),--shard $(SHARD))
+cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
+
+.PHONY: help venv demo test bench mirror manifest cache stage clean-demo
+
+help:
+	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
+	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
+	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
+	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
+	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
+	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
+	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
+
+venv: $(STAMP)
+
+# torch first, pinned to the CPU build this machine carries; pyproject only says torch>=2.9.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC)
+	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
+	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
+	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg) $(ARGS)
+	@echo "demo: done. Inspect with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench $(ARGS)
+
+mirror: $(STAMP)
+	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
+
+manifest: $(STAMP)
+	$(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(strict_flag)
+
+cache: $(STAMP)
+	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(strict_flag) $(ARGS)
+
+stage: $(STAMP)
+	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
+
+clean-demo:
+	rm -rf data/demo data/cache

@@ -1,0 +1,1 @@
+"""`make bench`: performance claims measured as ratios, side by side, in one run."""

@@ -1,0 +1,44 @@
+"""Run the benchmark suites and write runs/bench/bench.json and bench.md.
+
+Suites merge into the existing bench.json, so `--only cache` refreshes one section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from bench import cache_bench
+from octfm import cli
+
+SUITES = {"cache": cache_bench.run}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="make bench")
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--only", choices=sorted(SUITES), action="append")
+    ap.add_argument("--quick", action="store_true", help="smaller inputs (a smoke run, not for the record)")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["machine"] = {"cpus": len(__import__("os").sched_getaffinity(0)), "python": platform.python_version(),
+                          "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    md = []
+    for name in a.only or list(SUITES):
+        res, lines = SUITES[name](out / name, quick=a.quick)
+        results[name] = res
+        md += lines + [""]
+    path.write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text("\n".join(md))
+    print("\n".join(md))
+    print(f"bench: wrote {path} and {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,16 @@
+"""The `make cache` config (configs/cache.yaml): typed, unknown keys rejected."""
+from __future__ import annotations
+
+import dataclasses
+
+from ingest import preprocess as prep
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    preprocess: prep.PreprocessConfig = dataclasses.field(default_factory=prep.PreprocessConfig)
+    workers: int = 0
+    codec: str = "zstd"
+    clevel: int = 3
+    flush_every_s: float = 30.0
+    read_retries: int = 4

@@ -1,0 +1,109 @@
+"""The cache build's worker: one source DICOM in, one cached volume and manifest row out.
+
+Kept apart from the driver (cache.build) so the pool's forkserver can preload it, with
+torch, once; workers then start in milliseconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+from cache import store
+from cache.config import CacheConfig
+from ingest import preprocess as prep
+from ingest.dicom import BadInput, read_volume
+from manifests import build as manifest_build
+from manifests import schema
+from octfm import config, fsio
+
+SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
+VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAMES]
+
+
+def volume_path(relpath: str) -> str:
+    rel = relpath.removeprefix(manifest_build.OCT_DIR + "/")
+    return "volumes/" + (rel[:-4] if rel.lower().endswith(".dcm") else rel) + ".zarr"
+
+
+def _init_worker() -> None:
+    """One thread per worker: the pool, not the libraries, uses the cores."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+    import torch
+    torch.set_num_threads(1)
+    try:
+        import numcodecs.blosc
+        numcodecs.blosc.use_threads = False
+    except ImportError:
+        pass
+
+
+def read_with_retries(uri: str, attempts: int) -> bytes:
+    """Read a source, retrying transient I/O errors with exponential backoff."""
+    delay = 0.5
+    for attempt in range(1, attempts + 1):
+        try:
+            return fsio.read_bytes(uri)
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            raise
+        except OSError:
+            if attempt == attempts:
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
+    """One source -> one cache row (ok or failed). Never raises for bad input."""
+    cfg = config.from_dict(CacheConfig, cfg_dict)
+    t0 = time.perf_counter()
+    out = {"status": "failed", "volume": None, "cache_key": row["cache_key"], "code_version": prep.CODE_VERSION}
+    try:
+        try:
+            data = read_with_retries(row["source"], cfg.read_retries)
+        except FileNotFoundError:
+            raise BadInput("missing: the file disappeared after the listing") from None
+        except PermissionError as exc:
+            raise BadInput(f"unreadable: permission denied ({exc.strerror or exc})") from None
+        except OSError as exc:
+            raise BadInput(f"read error after {cfg.read_retries} attempts: {type(exc).__name__}: {exc}") from None
+        if row.get("size") is not None and len(data) != row["size"]:
+            raise BadInput(f"size mismatch: read {len(data)} bytes, the listing said {row['size']}")
+        out["sha1"] = hashlib.sha1(data).hexdigest()
+        if row.get("expected_sha1") and out["sha1"] != row["expected_sha1"]:
+            raise BadInput(f"checksum mismatch: SHA-1 {out['sha1']} differs from the mirror record {row['expected_sha1']}")
+        if row.get("expected_md5"):
+            md5 = hashlib.md5(data).hexdigest()
+            if md5 != row["expected_md5"]:
+                raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
+        t1 = time.perf_counter()
+        vol = read_volume(data, max_voxels=cfg.preprocess.max_voxels, decoder=cfg.preprocess.decoder,
+                          accept_any_sop=cfg.preprocess.accept_any_sop)
+        del data
+        t2 = time.perf_counter()
+        protocol = " ".join(str(v or "") for v in (row.get("imaging"), row.get("anatomic_region"),
+                                                    os.path.basename(row["relpath"])))
+        flip = prep.flip_axes(row.get("device"), protocol, cfg.preprocess.orientation)
+        arr, lo, hi = prep.preprocess(vol.pixels, cfg.preprocess, flip)
+        t3 = time.perf_counter()
+        out.update({
+            "status": "ok", "error": None, "volume": volume_path(row["relpath"]),
+            "shape": list(arr.shape), "native_shape": list(vol.pixels.shape), "lo": lo, "hi": hi,
+            "spacing_mm": prep.output_spacing(vol.spacing_mm, vol.pixels.shape, arr.shape),
+            "native_spacing_mm": list(vol.spacing_mm) if vol.spacing_mm else None,
+            "flipped_axes": flip, "transfer_syntax": vol.transfer_syntax, "bits_stored": vol.bits_stored,
+            "decode_s": round(t2 - t1, 4), "preprocess_s": round(t3 - t2, 4),
+        })
+        out["total_s"] = round(time.perf_counter() - t0, 4)
+        store.write_volume(cache_root, out["volume"], arr, {k: out.get(k) for k in VOLUME_NAMES},
+                           cname=cfg.codec, clevel=cfg.clevel, tag=tag)
+    except BadInput as exc:
+        out.update(status="failed", error=str(exc), volume=None)
+    except MemoryError:
+        out.update(status="failed", error="out of memory while processing this volume", volume=None)
+    except Exception as exc:  # noqa: BLE001 - one bad file never stops the batch
+        out.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}", volume=None)
+    out.setdefault("total_s", round(time.perf_counter() - t0, 4))
+    return out
