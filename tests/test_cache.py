@@ -125,6 +125,14 @@ def _comparable(df):
     return df.astype(str)
 
 
+def _finished_volumes(cache) -> int:
+    """Arrays renamed into place so far (temp dirs come and go while we look)."""
+    n = 0
+    for _, dirs, _ in os.walk(cache / "volumes"):
+        n += sum(d.endswith(".zarr") and not d.startswith(".") for d in dirs)
+    return n
+
+
 def test_killed_build_resumes_to_the_same_result(tmp_path):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=16, scale=4, seed=2))
@@ -139,7 +147,7 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
-            done = len(list((cache / "volumes").rglob("zarr.json"))) if (cache / "volumes").exists() else 0
+            done = _finished_volumes(cache)
             if done >= wait_for:
                 break
             time.sleep(0.05)
