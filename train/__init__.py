@@ -1,0 +1,1 @@
+"""V-JEPA 3D pretraining and frozen-encoder probes for OCT volumes."""

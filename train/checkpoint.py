@@ -1,0 +1,65 @@
+"""Checkpoints: atomic, local or gs://, loadable with torch.load(weights_only=True).
+
+Everything is stored as tensors and plain Python data (RNG states included), so the safe
+loader accepts it and a checkpoint with a pickled object is refused.
+"""
+from __future__ import annotations
+
+import io
+import posixpath
+import random
+import re
+
+import numpy as np
+import torch
+
+from octfm import fsio
+
+STEP_RE = re.compile(r"step_(\d+)\.pt$")
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]]}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    p = state["python"]
+    random.setstate((p[-2], tuple(p[:-2]), p[-1]))
+
+
+def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
+    """Write step_<N>.pt then latest.pt, each atomically; prune beyond keep_last."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    path = fsio.join(ckpt_dir, f"step_{step:07d}.pt")
+    fsio.atomic_write_bytes(path, data)
+    fsio.atomic_write_bytes(fsio.join(ckpt_dir, "latest.pt"), data)
+    if keep_last:
+        for old in list_steps(ckpt_dir)[:-keep_last]:
+            fs, p = fsio.filesystem(fsio.join(ckpt_dir, f"step_{old:07d}.pt"))
+            fs.rm(p)
+    return path
+
+
+def list_steps(ckpt_dir: str) -> list[int]:
+    fs, base = fsio.filesystem(ckpt_dir)
+    if not fs.exists(base):
+        return []
+    return sorted(int(m.group(1)) for p in fs.ls(base, detail=False) if (m := STEP_RE.search(posixpath.basename(p))))
+
+
+def load(uri: str, map_location="cpu") -> dict:
+    """torch.load with weights_only=True: tensors and plain data only."""
+    data = fsio.read_bytes(uri)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def latest(ckpt_dir: str) -> str | None:
+    uri = fsio.join(ckpt_dir, "latest.pt")
+    return uri if fsio.exists(uri) else None

@@ -1,0 +1,95 @@
+"""The pretraining config: plain dataclasses, saved with every checkpoint.
+
+Loaded through octfm.config, so unknown keys are refused by name and `null` stays None.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass
+class DataConfig:
+    cache: str = "data/cache"                      # local cache root (after `make stage`)
+    splits: list[str] = dataclasses.field(default_factory=lambda: ["train"])
+    devices: list[str] | None = None               # None: every device (multi-domain)
+    stride: tuple[int, int, int] = (1, 1, 1)       # host-side subsampling of the cached grid
+    input_shape: tuple[int, int, int] = (64, 384, 384)  # random crop (D, H, W) fed to the model
+    flip_prob: float = 0.5                         # left-right flip (columns)
+    intensity_jitter: float = 0.1                  # device-side gain/offset jitter amplitude
+    workers: int = 2
+    start_method: Literal["spawn", "forkserver"] = "forkserver"
+    prefetch_factor: int = 2
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    tubelet: tuple[int, int, int] = (4, 16, 16)
+    dim: int = 768
+    depth: int = 12
+    heads: int = 12
+    mlp_ratio: float = 4.0
+    pred_dim: int = 384
+    pred_depth: int = 6
+    pred_heads: int = 12
+
+
+@dataclasses.dataclass
+class MaskSetConfig:
+    """One mask set: `blocks` rectangles in the en-face plane (frames x columns), each
+    covering `scale` of it with aspect ratio in `aspect`, spanning the full axial depth."""
+    blocks: int = 8
+    scale: tuple[float, float] = (0.15, 0.15)
+    aspect: tuple[float, float] = (0.75, 1.5)
+
+
+@dataclasses.dataclass
+class MaskConfig:
+    sets: list[MaskSetConfig] = dataclasses.field(default_factory=lambda: [
+        MaskSetConfig(blocks=8, scale=(0.15, 0.15)), MaskSetConfig(blocks=2, scale=(0.7, 0.7))])
+    calibration_samples: int = 256   # masks drawn at start-up to fix the token counts
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    start_lr: float = 2e-5
+    final_lr: float = 1e-6
+    warmup_steps: int = 1000
+    weight_decay: float = 0.04
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    ema: tuple[float, float] = (0.998, 1.0)   # target-encoder momentum, start -> end
+    accum_steps: int = 1
+    spike_factor: float = 5.0                 # skip an update whose loss exceeds this x the recent mean
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "octfm"
+    mode: Literal["offline", "online"] = "offline"
+    entity: str | None = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    name: str = "pretrain"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    precision: Literal["fp32", "bf16"] = "bf16"
+    batch_size: int = 8                       # per process (per host on XLA SPMD)
+    max_steps: int = 10000                    # optimizer updates
+    log_every: int = 10
+    val_every: int = 0                        # 0: no validation
+    val_batches: int = 4
+    ckpt_every: int = 1000
+    keep_last: int | None = None              # prune older periodic checkpoints; None keeps all
+    runs_dir: str = "runs"
+    ckpt_dir: str | None = None               # None: <runs_dir>/<name>/checkpoints (local or gs://)
+    rankme_tokens: int = 2048
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mask: MaskConfig = dataclasses.field(default_factory=MaskConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)

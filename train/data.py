@@ -1,0 +1,115 @@
+"""The training Dataset over the local cache, and a deterministic, resumable sampler.
+
+Every random choice for a sample (crop, flip, masks, intensity jitter) comes from a
+generator seeded by (seed, epoch, sample index): results do not depend on the number of
+workers or processes, and a resumed run sees exactly what an uninterrupted one would.
+Host-side work keeps uint8; the float conversion and intensity jitter happen on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from cache import store
+from manifests import schema
+from octfm.cli import UsageError
+from train import masks as M
+from train.config import DataConfig, MaskConfig
+
+
+def select_rows(cache: str, splits, devices) -> list[dict]:
+    """Manifest rows usable for training: status ok, in the splits and devices asked for."""
+    uri = cache.rstrip("/") + "/manifest.parquet"
+    try:
+        table = schema.read_table(uri, schema.CACHE_SCHEMA)
+    except FileNotFoundError:
+        raise UsageError(f"data.cache: no manifest at {uri} (run `make cache` / `make stage` first)") from None
+    rows = [r for r in table.to_pylist() if r["status"] == "ok" and r["split"] in splits
+            and (devices is None or r["device"] in devices)]
+    return sorted(rows, key=lambda r: r["relpath"])
+
+
+def sample_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch, index, stream]))
+
+
+class CacheDataset(Dataset):
+    """Items are addressed by (epoch, index) so the epoch reaches persistent workers."""
+
+    def __init__(self, rows: list[dict], cfg: DataConfig, mask_cfg: MaskConfig, grid: M.Grid,
+                 sizes: list[M.SetSize], seed: int, augment: bool = True):
+        self.rows, self.cfg, self.mask_cfg, self.grid, self.sizes = rows, cfg, mask_cfg, grid, sizes
+        self.seed, self.augment = seed, augment
+        self._transforms = None
+        for r in rows[:1]:
+            strided = [-(-int(n) // int(s)) for n, s in zip(r["shape"], cfg.stride)]
+            if any(s < i for s, i in zip(strided, cfg.input_shape)):
+                raise UsageError(f"data.input_shape {list(cfg.input_shape)} is larger than the cached volumes "
+                                 f"{r['shape']} after data.stride {list(cfg.stride)}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def transforms(self):
+        """MONAI spatial transforms (crop, left-right flip) on uint8, meta tracking off."""
+        if self._transforms is None:
+            import monai
+            from monai.transforms import Compose, RandFlip, RandSpatialCrop
+
+            monai.data.set_track_meta(False)
+            self._transforms = Compose([
+                RandSpatialCrop(tuple(self.cfg.input_shape), random_size=False),
+                RandFlip(prob=self.cfg.flip_prob if self.augment else 0.0, spatial_axis=2),
+            ])
+        return self._transforms
+
+    def __getitem__(self, key) -> dict:
+        epoch, index = key
+        row = self.rows[index]
+        rng = sample_rng(self.seed, epoch, index)
+        vol = store.read_volume(self.cfg.cache, row["volume"])
+        s = self.cfg.stride
+        vol = np.ascontiguousarray(vol[::s[0], ::s[1], ::s[2]])[None]
+        t = self.transforms()
+        t.set_random_state(seed=int(rng.integers(2 ** 31)))
+        x = torch.as_tensor(t(vol)).to(torch.uint8).contiguous()
+        sets = M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
+        jitter = self.cfg.intensity_jitter if self.augment else 0.0
+        aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
+        return {"x": x, "aug": aug, "index": index,
+                "masks": [(torch.from_numpy(c).long(), torch.from_numpy(g).long()) for c, g, _ in sets]}
+
+
+class EpochSampler(Sampler):
+    """An endless stream of (epoch, index), `batch` per process per step, starting at any
+    consumed-batch count. Epochs are trimmed to whole global batches so every process sees
+    the same number of batches (no rank runs dry and hangs a collective)."""
+
+    def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1, seed: int = 0,
+                 shuffle: bool = True, start_batch: int = 0):
+        self.n, self.batch, self.rank, self.world, self.seed = n, batch, rank, world, seed
+        self.shuffle, self.start_batch = shuffle, start_batch
+        self.batches_per_epoch = n // (batch * world)
+        if self.batches_per_epoch == 0:
+            raise UsageError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            perm = torch.randperm(self.n, generator=g).tolist()
+        else:
+            perm = list(range(self.n))
+        perm = perm[: self.batches_per_epoch * self.batch * self.world]
+        return perm[self.rank::self.world]
+
+    def __iter__(self):
+        epoch, b = divmod(self.start_batch, self.batches_per_epoch)
+        while True:
+            idx = self.epoch_indices(epoch)
+            for i in idx[b * self.batch:]:
+                yield (epoch, i)
+            epoch, b = epoch + 1, 0
+
+    def __len__(self) -> int:  # endless; DataLoader only needs it for len(), which we never call
+        return 2 ** 62

@@ -1,0 +1,57 @@
+"""Collapse monitors and the metrics sink (metrics.jsonl always, W&B from rank 0 when enabled)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+
+@torch.no_grad()
+def rankme(features: torch.Tensor, max_tokens: int = 2048, eps: float = 1e-7) -> float:
+    """RankMe effective rank: exp(entropy) of the normalised singular values of a
+    [n, d] feature matrix (Garrido et al. 2023). Collapse drives it towards 1."""
+    f = features.reshape(-1, features.shape[-1]).float().cpu()
+    if f.shape[0] > max_tokens:
+        f = f[torch.linspace(0, f.shape[0] - 1, max_tokens).long()]
+    s = torch.linalg.svdvals(f)
+    p = s / (s.sum() + eps) + eps
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+@torch.no_grad()
+def feature_std(features: torch.Tensor) -> float:
+    """Mean over channels of the std across samples and tokens (near 0 means collapse)."""
+    f = features.reshape(-1, features.shape[-1]).float()
+    return float(f.std(dim=0).mean())
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/ and val/ when enabled."""
+
+    def __init__(self, run_dir: Path, enabled: bool, wandb_cfg=None, config: dict | None = None):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if enabled and wandb_cfg is not None and wandb_cfg.enabled:
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, mode=wandb_cfg.mode,
+                                    dir=str(run_dir), config=config, name=Path(run_dir).name, resume="allow",
+                                    id=Path(run_dir).name)
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"split": prefix, **clean}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in record.items() if k != "step"}, step=record.get("step"))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,159 @@
+"""A 3D ViT encoder and a narrow predictor for V-JEPA on OCT volumes.
+
+Tokens are selected by index with one gather (`gather_tokens`) used alike by the context
+encoder (visible tokens only) and the predictor (positions of context and targets).
+Attention is PyTorch SDPA. Positions are fixed 3D sin-cos embeddings.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from train.config import ModelConfig
+
+
+def sincos_1d(n: int, dim: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))
+    ang = pos * omega[None]
+    return torch.cat([ang.sin(), ang.cos()], dim=1)
+
+
+def sincos_3d(grid: tuple[int, int, int], dim: int) -> torch.Tensor:
+    """[T*H*W, dim] fixed positions; the channel budget split over the three axes."""
+    d_each = (dim // 6) * 2
+    parts = []
+    for axis, n in enumerate(grid):
+        e = sincos_1d(n, d_each)
+        shape = [1, 1, 1, d_each]
+        shape[axis] = n
+        parts.append(e.reshape(shape).expand(*grid, d_each))
+    pe = torch.cat(parts, dim=-1).reshape(-1, 3 * d_each)
+    if pe.shape[1] < dim:
+        pe = F.pad(pe, (0, dim - pe.shape[1]))
+    return pe.float()
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, N, C], idx [B, K] -> [B, K, C]."""
+    return torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+class Encoder(nn.Module):
+    """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens, transform."""
+
+    def __init__(self, cfg: ModelConfig, input_shape):
+        super().__init__()
+        self.grid = tuple(int(s) // int(t) for s, t in zip(input_shape, cfg.tubelet))
+        self.patch = nn.Conv3d(1, cfg.dim, kernel_size=tuple(cfg.tubelet), stride=tuple(cfg.tubelet))
+        self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.apply(_init_weights)
+        w = self.patch.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        if idx is not None:
+            t = gather_tokens(t, idx)
+        for blk in self.blocks:
+            t = blk(t)
+        return self.norm(t)
+
+
+class Predictor(nn.Module):
+    """Narrow transformer: context features + a learned mask token at each target position."""
+
+    def __init__(self, cfg: ModelConfig, grid):
+        super().__init__()
+        self.embed = nn.Linear(cfg.dim, cfg.pred_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.pred_dim))
+        self.register_buffer("pos", sincos_3d(tuple(grid), cfg.pred_dim), persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg.pred_dim, cfg.pred_heads, cfg.mlp_ratio) for _ in range(cfg.pred_depth))
+        self.norm = nn.LayerNorm(cfg.pred_dim)
+        self.out = nn.Linear(cfg.pred_dim, cfg.dim)
+        self.apply(_init_weights)
+        nn.init.trunc_normal_(self.mask_token, std=0.02)
+
+    def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor) -> torch.Tensor:
+        b = ctx.shape[0]
+        pos = self.pos.unsqueeze(0).expand(b, -1, -1)
+        c = self.embed(ctx) + gather_tokens(pos, ctx_idx)
+        m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_tokens(pos, tgt_idx)
+        x = torch.cat([c, m], dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.out(self.norm(x[:, c.shape[1]:]))
+
+
+class JEPA(nn.Module):
+    """The trained student: context encoder + predictor. The loss for each mask set is L1
+    between predictions and the target encoder's layer-normed features at the target tokens."""
+
+    def __init__(self, cfg: ModelConfig, input_shape):
+        super().__init__()
+        self.encoder = Encoder(cfg, input_shape)
+        self.predictor = Predictor(cfg, self.encoder.grid)
+
+    def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor]],
+                targets: torch.Tensor) -> torch.Tensor:
+        losses = []
+        for ctx_idx, tgt_idx in masks:
+            ctx = self.encoder(x, ctx_idx)
+            pred = self.predictor(ctx, ctx_idx, tgt_idx)
+            tgt = gather_tokens(targets, tgt_idx)
+            losses.append((pred.float() - tgt.float()).abs().mean())
+        return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def target_features(target_encoder: Encoder, x: torch.Tensor) -> torch.Tensor:
+    """All tokens through the EMA encoder, layer-normed per token (the regression targets)."""
+    h = target_encoder(x)
+    return F.layer_norm(h.float(), (h.shape[-1],))

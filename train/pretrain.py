@@ -1,0 +1,277 @@
+"""`make pretrain CONFIG=...`: V-JEPA pretraining of a 3D ViT on the local OCT cache.
+
+One loop for cpu, cuda (torchrun + DDP) and xla (SPMD). Resumes automatically from the run's
+latest checkpoint; a run killed at step k and resumed reaches the same weights as one that
+was never interrupted (bit for bit on CPU in float32).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from octfm import cli, config, fsio
+from train import checkpoint, data, masks, metrics, runtime, schedule
+from train.config import TrainConfig
+from train.model import JEPA, Encoder, target_features
+
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
+
+
+def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
+    """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter."""
+    x = x_u8.float().div_(255.0)
+    x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
+    return (x - PIXEL_MEAN) / PIXEL_STD
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases, norms and the mask token (1-D parameters)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name.endswith("mask_token") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tensor):
+    kw = {"fused": True} if rt.kind == "cuda" else {"foreach": False}  # tensor lr needs one of these
+    return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas), **kw)
+
+
+@torch.no_grad()
+def ema_update(target: Encoder, online: Encoder, momentum: torch.Tensor) -> None:
+    """target = m * target + (1 - m) * online, with m a device tensor."""
+    w = 1.0 - momentum
+    for t, o in zip(target.parameters(), online.parameters()):
+        t.lerp_(o.detach(), w)
+
+
+class Trainer:
+    """Holds the state that a checkpoint captures; `run` is the loop."""
+
+    def __init__(self, cfg: TrainConfig, rt: runtime.Runtime, ckpt: str | None = None):
+        self.cfg, self.rt = cfg, rt
+        self.run_dir = Path(cfg.runs_dir) / cfg.name
+        self.ckpt_dir = cfg.ckpt_dir or str(self.run_dir / "checkpoints")
+        torch.manual_seed(cfg.seed)
+        self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
+        if not self.rows:
+            raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
+                                 f"and devices {cfg.data.devices}")
+        self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+        self.sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
+        self.model = JEPA(cfg.model, cfg.data.input_shape)
+        self.target = copy.deepcopy(self.model.encoder).requires_grad_(False)
+        self.model.to(rt.device)
+        self.target.to(rt.device)
+        self.lr = torch.tensor(schedule.learning_rate(0, cfg.max_steps, cfg.optim), device=rt.device)
+        self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
+        self.opt = build_optimizer(self.model, cfg, rt, self.lr)
+        self.loss_mean = torch.zeros((), device=rt.device)
+        self.skipped = torch.zeros((), device=rt.device)
+        self.step = 0
+        self.consumed = 0  # batches drawn per process: the data position
+        self.resumed_from = self._maybe_resume(ckpt)
+
+    # ------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
+            "scheduler": {"step": self.step, "lr": float(self.lr), "ema_momentum": float(self.momentum)},
+            "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
+            "skipped_updates": self.skipped.cpu(), "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg),
+            "world": self.rt.world,
+        }
+
+    def _maybe_resume(self, ckpt: str | None) -> str | None:
+        uri = ckpt or checkpoint.latest(self.ckpt_dir)
+        if not uri:
+            return None
+        st = checkpoint.load(uri)
+        self.model.load_state_dict(st["model"])
+        self.target.load_state_dict(st["target"])
+        self.opt.load_state_dict(st["optimizer"])
+        for g in self.opt.param_groups:  # keep the shared device tensor (load_state_dict replaced it)
+            g["lr"] = self.lr
+        self.step, self.consumed = int(st["step"]), int(st["consumed_batches"])
+        self.loss_mean.copy_(st["loss_mean"])
+        self.skipped.copy_(st["skipped_updates"])
+        checkpoint.set_rng_state(st["rng"])
+        return uri
+
+    def save(self) -> str | None:
+        path = None
+        if self.rt.is_master:
+            path = checkpoint.save(self.state(), self.ckpt_dir, self.step, self.cfg.keep_last)
+        self.rt.barrier()
+        return path
+
+    # ------------------------------------------------------------ data
+    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int):
+        cfg = self.cfg
+        ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment)
+        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch)
+        kw = {}
+        if cfg.data.workers > 0:
+            kw = {"num_workers": cfg.data.workers, "multiprocessing_context": cfg.data.start_method,
+                  "persistent_workers": True, "prefetch_factor": cfg.data.prefetch_factor}
+        dl = DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=self.rt.kind == "cuda", **kw)
+        return sampler, dl
+
+    # ------------------------------------------------------------ one update
+    def update(self, batches, net) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches, clip, guard, step, EMA. No host sync
+        except the skip decision on cpu/cuda."""
+        cfg, rt = self.cfg, self.rt
+        accum = len(batches)
+        loss_sum = torch.zeros((), device=rt.device)
+        targets = None
+        for i, b in enumerate(batches):
+            x = normalize(b["x"], b["aug"])
+            with rt.autocast():
+                targets = target_features(self.target, x)
+            with rt.no_sync(net, i < accum - 1), rt.autocast():
+                loss = net(x, [(c, t) for c, t in b["masks"]], targets)
+            (loss / accum).backward()
+            loss_sum = loss_sum + loss.detach().float()
+        loss = loss_sum / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)  # pre-clip norm
+        warm = self.step < 10
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if not warm:
+            ok = ok & (loss < cfg.optim.spike_factor * self.loss_mean)
+        if rt.kind == "xla":  # no host sync: zero the update instead of branching
+            okf = ok.float()
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(okf)
+            self.opt.step()
+            ema_update(self.target, self.model.encoder, torch.where(ok, self.momentum, torch.ones_like(self.momentum)))
+        elif bool(ok):
+            self.opt.step()
+            ema_update(self.target, self.model.encoder, self.momentum)
+        self.opt.zero_grad(set_to_none=True)
+        okf = ok.float()
+        first = torch.tensor(float(self.step == 0), device=rt.device)
+        new_mean = torch.where(first > 0, loss, 0.9 * self.loss_mean + 0.1 * loss)
+        self.loss_mean.copy_(torch.where(ok, new_mean, self.loss_mean))
+        self.skipped.add_(1.0 - okf)
+        return loss, grad_norm, targets
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        cfg = self.cfg
+        rows = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
+        if len(rows) < cfg.batch_size * self.rt.world:
+            return None
+        _, dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1)
+        it = iter(self.rt.loader(dl))
+        n = min(cfg.val_batches, len(rows) // (cfg.batch_size * self.rt.world))
+        total = torch.zeros((), device=self.rt.device)
+        for _ in range(n):
+            b = self.rt.to_device(next(it))
+            x = normalize(b["x"], b["aug"])
+            with self.rt.autocast():
+                tg = target_features(self.target, x)
+                total += self.model(x, [(c, t) for c, t in b["masks"]], tg).float()
+        loss = self.rt.all_mean(total / n)
+        return {"step": self.step, "loss": float(loss)}
+
+    # ------------------------------------------------------------ the loop
+    def run(self, progress: bool = True) -> dict:
+        cfg, rt = self.cfg, self.rt
+        log = metrics.MetricsLog(self.run_dir, rt.is_master, cfg.wandb, config.to_dict(cfg))
+        net = rt.wrap(self.model)
+        sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed)
+        it = iter(rt.loader(dl))
+        accum = cfg.optim.accum_steps
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
+                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
+        first_loss = last_loss = None
+        t_last, wait, samples = time.perf_counter(), 0.0, 0
+        while self.step < cfg.max_steps:
+            self.lr.fill_(schedule.learning_rate(self.step, cfg.max_steps, cfg.optim))
+            self.momentum.fill_(schedule.ema_momentum(self.step, cfg.max_steps, cfg.optim))
+            batches = []
+            for _ in range(accum):
+                tw = time.perf_counter()
+                batches.append(rt.to_device(next(it)))
+                wait += time.perf_counter() - tw
+            loss, gnorm, targets = self.update(batches, net)
+            rt.sync()
+            self.step += 1
+            self.consumed += accum
+            samples += cfg.batch_size * accum * rt.world
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                now = time.perf_counter()
+                dt = now - t_last
+                rec = {
+                    "step": self.step, "epoch": self.consumed // sampler.batches_per_epoch,
+                    "loss": float(rt.all_mean(loss)), "lr": float(self.lr), "grad_norm": float(gnorm),
+                    "ema_momentum": float(self.momentum), "samples_per_s": samples / dt,
+                    "tokens_per_s": samples * self.grid.tokens / dt, "data_wait_frac": min(1.0, wait / dt),
+                    "target_std": metrics.feature_std(targets),
+                    "rankme": metrics.rankme(targets, cfg.rankme_tokens), "skipped_updates": int(self.skipped),
+                }
+                log.log(rec)
+                first_loss = rec["loss"] if first_loss is None else first_loss
+                last_loss = rec["loss"]
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", rankme=f"{rec['rankme']:.1f}", refresh=False)
+                t_last, wait, samples = time.perf_counter(), 0.0, 0
+            if cfg.val_every and self.step % cfg.val_every == 0:
+                v = self.validate()
+                if v:
+                    log.log(v, prefix="val")
+            if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
+                self.save()
+            if self.step % cfg.ckpt_every == 0 or (cfg.val_every and self.step % cfg.val_every == 0):
+                t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
+        bar.close()
+        log.close()
+        return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
+                "skipped_updates": int(self.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make pretrain", description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--ckpt", default=None, help="start from this checkpoint instead of the run's latest")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides (make ARGS)")
+    a = ap.parse_args(argv)
+    cfg = config.load(TrainConfig, a.config, a.overrides)
+    rt = runtime.setup(cfg.device, cfg.precision)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, rt, a.ckpt)
+    if rt.is_master:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        fsio.atomic_write_bytes(str(trainer.run_dir / "config.yaml"),
+                                yaml.safe_dump(config.to_dict(cfg), sort_keys=False).encode())
+        where = f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from scratch"
+        print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
+              f"tokens ctx/tgt per set {[(s.context_cells * trainer.grid.depth, s.target_cells * trainer.grid.depth) for s in trainer.sizes]}, "
+              f"{where}")
+    out = trainer.run(progress=not a.no_progress)
+    rt.shutdown()
+    if rt.is_master:
+        print(f"pretrain: {out['steps']} steps in {time.perf_counter() - t0:.1f}s; logged loss "
+              f"{out['first_logged_loss']} -> {out['last_logged_loss']}; skipped updates {out['skipped_updates']}; "
+              f"metrics {out['run_dir']}/metrics.jsonl; checkpoints {out['ckpt_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
