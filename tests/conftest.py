@@ -99,3 +99,30 @@ def gcs_bucket(name: str):
         fs.mkdir(name)
     fs.invalidate_cache()
     return fs
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A small cache (16 x 64 x 64 volumes) for trainer tests, built by the real build."""
+    from cache import build
+    from cache.config import CacheConfig
+    from octfm import config
+
+    src = tmp_path_factory.mktemp("train_src") / "dataset"
+    synth.generate(src, synth.SynthConfig(participants=12, scale=16, seed=4, bad_files=False, unlabeled=0))
+    cache = tmp_path_factory.mktemp("train_cache") / "cache"
+    cfg = config.from_dict(CacheConfig, {"preprocess": {"target_shape": [16, 64, 64]}})
+    build.build(str(src), str(cache), cfg, progress=False)
+    return cache
+
+
+def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[str]:
+    """Overrides for configs/pretrain_smoke.yaml that make a seconds-long CPU run."""
+    args = {
+        "name": name, "runs_dir": str(runs), "data.cache": str(cache), "data.stride": "[1,1,1]",
+        "data.input_shape": "[16,48,48]", "data.workers": 0, "batch_size": 4, "max_steps": 6, "log_every": 1,
+        "val_every": 0, "ckpt_every": 3, "model.dim": 32, "model.depth": 2, "model.heads": 2,
+        "model.pred_dim": 16, "model.pred_depth": 1, "model.pred_heads": 2, "optim.warmup_steps": 2,
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]

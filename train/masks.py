@@ -43,6 +43,11 @@ def sample_block(grid: Grid, cfg: MaskSetConfig, rng: np.random.Generator) -> tu
     area = scale * grid.cells
     bt = int(round(math.sqrt(area * aspect)))
     bc = int(round(math.sqrt(area / aspect)))
+    # where the grid cannot hold the aspect, keep the area (the scale) and bend the aspect
+    if bt > grid.frames:
+        bt, bc = grid.frames, int(round(area / grid.frames))
+    if bc > grid.cols:
+        bc, bt = grid.cols, min(grid.frames, int(round(area / grid.cols)))
     bt, bc = min(max(bt, 1), grid.frames), min(max(bc, 1), grid.cols)
     t0 = int(rng.integers(0, grid.frames - bt + 1))
     c0 = int(rng.integers(0, grid.cols - bc + 1))

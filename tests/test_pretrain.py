@@ -1,0 +1,190 @@
+import io
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli, tiny_train_args
+from octfm import config
+from train import checkpoint, pretrain, runtime, schedule
+from train.config import OptimConfig, TrainConfig
+
+SMOKE = "configs/pretrain_smoke.yaml"
+
+
+def tiny_trainer(cache, tmp_path, **extra) -> pretrain.Trainer:
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, tmp_path / "runs", **extra))
+    return pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
+
+
+def first_batch(trainer):
+    _, dl = trainer.loader(trainer.rows, 0, augment=True, shuffle=True, seed=0)
+    return trainer.rt.to_device(next(iter(dl)))
+
+
+def test_overfitting_a_tiny_batch_lowers_loss_without_collapse(tiny_cache, tmp_path):
+    from train import metrics
+
+    tr = tiny_trainer(tiny_cache, tmp_path)
+    batch = first_batch(tr)
+    tr.lr.fill_(2e-3)
+    tr.momentum.fill_(0.99)
+    losses, norms = [], []
+    for _ in range(80):
+        loss, gnorm, targets = tr.update([batch], tr.model)
+        tr.step += 1
+        losses.append(float(loss))
+        norms.append(float(gnorm))
+    assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
+    assert min(norms) > 0
+    assert metrics.feature_std(targets) > 0.2
+    assert metrics.rankme(targets) > 4.0  # of at most 32 (the width): not collapsed
+    assert int(tr.skipped) == 0
+
+
+def test_rankme_and_std_detect_collapse():
+    from train import metrics
+
+    collapsed = torch.ones(64, 32) + 1e-6 * torch.randn(64, 32)
+    healthy = torch.randn(64, 32)
+    assert metrics.rankme(collapsed) < 1.5 < 20 < metrics.rankme(healthy)
+    assert metrics.feature_std(collapsed) < 1e-3 < 0.5 < metrics.feature_std(healthy)
+
+
+def test_lr_schedule_warms_up_then_decays_monotonically_and_never_restarts():
+    cfg = OptimConfig(lr=1e-3, start_lr=0.0, final_lr=1e-6, warmup_steps=100)
+    total = 1000
+    lrs = [schedule.learning_rate(s, total, cfg) for s in range(total + 200)]
+    assert lrs[0] == 0.0 and all(a < b for a, b in zip(lrs[:100], lrs[1:101]))
+    after = lrs[100:]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert lrs[-1] == pytest.approx(1e-6) and max(lrs[total:]) == pytest.approx(1e-6)
+    m = [schedule.ema_momentum(s, total, cfg) for s in range(0, total + 10)]
+    assert all(a <= b for a, b in zip(m, m[1:])) and m[-1] == cfg.ema[1]
+
+
+def test_non_finite_loss_skips_the_update(tiny_cache, tmp_path):
+    tr = tiny_trainer(tiny_cache, tmp_path)
+    batch = first_batch(tr)
+    tr.update([batch], tr.model)
+    tr.step += 1
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    target_before = {k: v.clone() for k, v in tr.target.state_dict().items()}
+    bad = dict(batch, aug=torch.full_like(batch["aug"], float("nan")))
+    loss, _, _ = tr.update([bad], tr.model)
+    assert not torch.isfinite(loss)
+    assert int(tr.skipped) == 1
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in tr.target.state_dict().items():
+        assert torch.equal(v, target_before[k]), k
+    assert torch.isfinite(tr.loss_mean)
+    loss, _, _ = tr.update([batch], tr.model)  # and training goes on
+    assert torch.isfinite(loss) and int(tr.skipped) == 1
+
+
+def test_bad_config_key_is_named(tiny_cache, tmp_path):
+    r = run_cli("train.pretrain", "--config", SMOKE, *tiny_train_args(tiny_cache, tmp_path), "model.dimm=3")
+    assert r.returncode == 2 and "model.dimm" in r.stderr and SMOKE in r.stderr
+
+
+def test_ckpt_dir_null_means_the_run_folder(tiny_cache, tmp_path):
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(tiny_cache, tmp_path / "runs") + ["ckpt_dir=null"])
+    assert cfg.ckpt_dir is None
+    tr = pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
+    assert tr.ckpt_dir == str(tmp_path / "runs" / "t" / "checkpoints")
+
+
+def _last_by_step(path):
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        if r["split"] == "train":
+            out[r["step"]] = r
+    return out
+
+
+def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
+    """Uninterrupted (no loader workers) vs killed with kill -9 and resumed (2 spawn workers):
+    same losses, same weights, same optimizer state, bit for bit on CPU in float32."""
+    common = dict(max_steps=30, ckpt_every=5)
+    ref_args = tiny_train_args(tiny_cache, tmp_path / "a", name="ref", **common)
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *ref_args)
+    assert r.returncode == 0, r.stderr
+    args = tiny_train_args(tiny_cache, tmp_path / "b", name="ref", **{**common, "data.workers": 2})
+    ckdir = tmp_path / "b" / "ref" / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-m", "train.pretrain", "--config", SMOKE, "--no-progress", *args],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckdir / "step_0000005.pt").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (ckdir / "step_0000030.pt").exists()
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    a = checkpoint.load(str(tmp_path / "a" / "ref" / "checkpoints" / "latest.pt"))
+    b = checkpoint.load(str(ckdir / "latest.pt"))
+    assert a["step"] == b["step"] == 30
+    for part in ("model", "target"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k])
+    la = _last_by_step(tmp_path / "a" / "ref" / "metrics.jsonl")
+    lb = _last_by_step(tmp_path / "b" / "ref" / "metrics.jsonl")
+    assert [la[s]["loss"] for s in range(1, 31)] == [lb[s]["loss"] for s in range(1, 31)]
+    keys = {"step", "epoch", "loss", "lr", "grad_norm", "ema_momentum", "samples_per_s", "tokens_per_s",
+            "data_wait_frac", "target_std", "rankme", "skipped_updates"}
+    assert keys <= set(la[30])
+    assert (tmp_path / "a" / "ref" / "config.yaml").exists()
+    assert sorted(p.name for p in ckdir.glob("step_*.pt")) == [f"step_{s:07d}.pt" for s in range(5, 31, 5)]
+
+
+def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
+    one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, batch_size=4)
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *one)
+    assert r.returncode == 0, r.stderr
+    two = tiny_train_args(tiny_cache, tmp_path / "two", name="d", max_steps=3, batch_size=2)
+    env = {"OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(_free_port()), "-m", "train.pretrain", "--config", SMOKE, "--no-progress", *two],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cpu x2" in r.stdout
+    a = checkpoint.load(str(tmp_path / "one" / "d" / "checkpoints" / "latest.pt"))
+    b = checkpoint.load(str(tmp_path / "two" / "d" / "checkpoints" / "latest.pt"))
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
+    la = _last_by_step(tmp_path / "one" / "d" / "metrics.jsonl")
+    lb = _last_by_step(tmp_path / "two" / "d" / "metrics.jsonl")
+    for s in (1, 2, 3):
+        assert la[s]["loss"] == pytest.approx(lb[s]["loss"], rel=1e-4)
+
+
+def _free_port():
+    from conftest import free_port
+
+    return free_port()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
+    buf = io.BytesIO()
+    torch.save({"model": {}, "payload": _Evil()}, buf)
+    (tmp_path / "evil.pt").write_bytes(buf.getvalue())
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint.load(str(tmp_path / "evil.pt"))
