@@ -17,12 +17,17 @@ CONFIG ?=
 ARGS   ?=
 SHARD  ?=
 STRICT ?= 0
+CKPT   ?=
+NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
 shard_flag  = $(if $(SHARD),--shard $(SHARD))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
+ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
+# one process, or torchrun with NPROC processes (DDP: gloo on CPU, nccl on CUDA); XLA runs one process per host
+launch      = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --nproc_per_node $(NPROC),$(PY))
 
-.PHONY: help venv demo test bench mirror manifest cache stage clean-demo
+.PHONY: help venv demo test bench mirror manifest cache stage pretrain clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -32,6 +37,7 @@ help:
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
+	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 
 venv: $(STAMP)
 
@@ -47,7 +53,8 @@ demo: $(STAMP)
 	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
-	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg) $(ARGS)
+	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
+	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
 	@echo "demo: done. Inspect with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
 test: $(STAMP)
@@ -67,6 +74,10 @@ cache: $(STAMP)
 
 stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
+
+pretrain: $(STAMP)
+	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }
+	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(ARGS)
 
 clean-demo:
 	rm -rf data/demo data/cache

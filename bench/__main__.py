@@ -10,10 +10,10 @@ import platform
 import time
 from pathlib import Path
 
-from bench import cache_bench
+from bench import cache_bench, train_bench
 from octfm import cli
 
-SUITES = {"cache": cache_bench.run}
+SUITES = {"cache": cache_bench.run, "train": train_bench.run}
 
 
 def main(argv=None) -> int:
@@ -28,11 +28,13 @@ def main(argv=None) -> int:
     results = json.loads(path.read_text()) if path.exists() else {}
     results["machine"] = {"cpus": len(__import__("os").sched_getaffinity(0)), "python": platform.python_version(),
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    md = []
     for name in a.only or list(SUITES):
         res, lines = SUITES[name](out / name, quick=a.quick)
-        results[name] = res
-        md += lines + [""]
+        results[name] = {**res, "markdown": lines, "quick": a.quick}
+    md = [f"# octfm benchmarks ({results['machine']['cpus']} CPUs, {results['machine']['when']})", ""]
+    for name in SUITES:  # every suite measured so far, newest numbers
+        if name in results:
+            md += results[name]["markdown"] + [""]
     path.write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text("\n".join(md))
     print("\n".join(md))

@@ -188,3 +188,21 @@ def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
     (tmp_path / "evil.pt").write_bytes(buf.getvalue())
     with pytest.raises(pickle.UnpicklingError):
         checkpoint.load(str(tmp_path / "evil.pt"))
+
+
+def test_wandb_offline_run_writes_its_files(tiny_cache, tmp_path):
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", name="wb", max_steps=2, ckpt_every=2,
+                           **{"wandb.enabled": "true", "wandb.mode": "offline"})
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args, env={"WANDB_API_KEY": ""})
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = list((tmp_path / "runs" / "wb" / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_resume_prefers_the_newest_step_file_over_a_stale_latest(tmp_path):
+    """A kill between writing step_<N>.pt and latest.pt must not lose step N."""
+    checkpoint.save({"step": 3}, str(tmp_path), 3)
+    (tmp_path / "step_0000006.pt").write_bytes((tmp_path / "latest.pt").read_bytes())
+    assert checkpoint.latest(str(tmp_path)).endswith("step_0000006.pt")
+    checkpoint.save({"step": 9}, str(tmp_path), 9, keep_last=2)
+    assert checkpoint.list_steps(str(tmp_path)) == [6, 9]

@@ -107,3 +107,22 @@ def test_local_mirror_records_sha1_and_cache_catches_a_changed_file(synth_tree, 
 def test_stage_reports_verification_failure_for_missing_source(tmp_path):
     r = run_cli("cache.stage", "--cache", str(tmp_path / "nothing"), "--local", str(tmp_path / "x"), "--no-progress")
     assert r.returncode in (1, 2) and ("no files" in r.stderr or "could not list" in r.stderr)
+
+
+def test_checkpoints_on_gs_and_resume_from_them(tiny_cache, gcs_emulator, tmp_path):
+    from conftest import tiny_train_args
+    from train import checkpoint
+
+    fs = gcs_bucket("ckpt-bucket")
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", name="g", max_steps=4, ckpt_every=2,
+                           ckpt_dir="gs://ckpt-bucket/runs/g")
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/runs/g"))
+    assert names == ["latest.pt", "step_0000002.pt", "step_0000004.pt"]
+    st = checkpoint.load("gs://ckpt-bucket/runs/g/latest.pt")
+    assert st["step"] == 4
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
+                *(args[:-1] + ["max_steps=6", "ckpt_dir=gs://ckpt-bucket/runs/g"]))
+    assert r.returncode == 0 and "resumed from gs://ckpt-bucket/runs/g/step_0000004.pt at step 4" in r.stdout, r.stdout

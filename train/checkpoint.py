@@ -61,5 +61,10 @@ def load(uri: str, map_location="cpu") -> dict:
 
 
 def latest(ckpt_dir: str) -> str | None:
+    """The newest checkpoint: the highest step_<N>.pt (a kill between writing it and
+    latest.pt must not lose it), else latest.pt."""
+    steps = list_steps(ckpt_dir)
+    if steps:
+        return fsio.join(ckpt_dir, f"step_{steps[-1]:07d}.pt")
     uri = fsio.join(ckpt_dir, "latest.pt")
     return uri if fsio.exists(uri) else None

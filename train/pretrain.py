@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 import time
 from pathlib import Path
@@ -176,8 +175,9 @@ class Trainer:
         rows = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
         if len(rows) < cfg.batch_size * self.rt.world:
             return None
-        _, dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1)
-        it = iter(self.rt.loader(dl))
+        if getattr(self, "_val_dl", None) is None:  # built once: its workers persist between validations
+            self._val_dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1)[1]
+        it = iter(self.rt.loader(self._val_dl))
         n = min(cfg.val_batches, len(rows) // (cfg.batch_size * self.rt.world))
         total = torch.zeros((), device=self.rt.device)
         for _ in range(n):
@@ -267,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
+        from train.plots import plot_metrics
+
+        png = plot_metrics(trainer.run_dir)
+        print(f"pretrain: curves in {png}")
         print(f"pretrain: {out['steps']} steps in {time.perf_counter() - t0:.1f}s; logged loss "
               f"{out['first_logged_loss']} -> {out['last_logged_loss']}; skipped updates {out['skipped_updates']}; "
               f"metrics {out['run_dir']}/metrics.jsonl; checkpoints {out['ckpt_dir']}")

@@ -1,0 +1,42 @@
+"""Training curves from metrics.jsonl as one PNG (loss, LR, grad norm, collapse monitors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_metrics(run_dir: str | Path) -> Path | None:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = {}, {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        (val if r.get("split") == "val" else train)[r["step"]] = r  # a resumed run rewrites steps: keep the last
+    if not train:
+        return None
+    steps = sorted(train)
+    panels = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
+              ("rankme", "RankMe of targets"), ("target_std", "target feature std"), ("data_wait_frac", "data wait")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(steps, [train[s].get(key) for s in steps], label="train")
+        if key == "loss" and val:
+            vs = sorted(val)
+            ax.plot(vs, [val[s]["loss"] for s in vs], "o-", label="val")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
