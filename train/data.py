@@ -77,8 +77,17 @@ class CacheDataset(Dataset):
         sets = M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
-        return {"x": x, "aug": aug, "index": index,
-                "masks": [(torch.from_numpy(c).long(), torch.from_numpy(g).long()) for c, g, _ in sets]}
+        item = {"x": x, "aug": aug, "index": torch.tensor(index)}
+        for i, (c, g, _) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
+            item[f"ctx_{i}"] = torch.from_numpy(c).long()
+            item[f"tgt_{i}"] = torch.from_numpy(g).long()
+        return item
+
+
+def mask_pairs(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(context ids [B, Kc], target ids [B, Kt]), ...] for each mask set of a batch."""
+    n = sum(1 for k in batch if k.startswith("ctx_"))
+    return [(batch[f"ctx_{i}"], batch[f"tgt_{i}"]) for i in range(n)]
 
 
 class EpochSampler(Sampler):

@@ -142,7 +142,7 @@ class Trainer:
             with rt.autocast():
                 targets = target_features(self.target, x)
             with rt.no_sync(net, i < accum - 1), rt.autocast():
-                loss = net(x, [(c, t) for c, t in b["masks"]], targets)
+                loss = net(x, data.mask_pairs(b), targets)
             (loss / accum).backward()
             loss_sum = loss_sum + loss.detach().float()
         loss = loss_sum / accum
@@ -177,7 +177,7 @@ class Trainer:
             return None
         if getattr(self, "_val_dl", None) is None:  # built once: its workers persist between validations
             self._val_dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1)[1]
-        it = iter(self.rt.loader(self._val_dl))
+        it = iter(self.rt.loader(self._val_dl, len(cfg.mask.sets)))
         n = min(cfg.val_batches, len(rows) // (cfg.batch_size * self.rt.world))
         total = torch.zeros((), device=self.rt.device)
         for _ in range(n):
@@ -185,7 +185,7 @@ class Trainer:
             x = normalize(b["x"], b["aug"])
             with self.rt.autocast():
                 tg = target_features(self.target, x)
-                total += self.model(x, [(c, t) for c, t in b["masks"]], tg).float()
+                total += self.model(x, data.mask_pairs(b), tg).float()
         loss = self.rt.all_mean(total / n)
         return {"step": self.step, "loss": float(loss)}
 
@@ -195,7 +195,7 @@ class Trainer:
         log = metrics.MetricsLog(self.run_dir, rt.is_master, cfg.wandb, config.to_dict(cfg))
         net = rt.wrap(self.model)
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed)
-        it = iter(rt.loader(dl))
+        it = iter(rt.loader(dl, len(cfg.mask.sets)))
         accum = cfg.optim.accum_steps
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
                    disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)

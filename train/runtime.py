@@ -71,16 +71,16 @@ class Runtime:
         if self.kind == "xla":
             return batch  # MpDeviceLoader already placed (and sharded) it
         nb = self.kind == "cuda"
-        return {"x": batch["x"].to(self.device, non_blocking=nb), "aug": batch["aug"].to(self.device, non_blocking=nb),
-                "masks": [(c.to(self.device, non_blocking=nb), t.to(self.device, non_blocking=nb))
-                          for c, t in batch["masks"]]}
+        return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
 
-    def loader(self, dl):
+    def loader(self, dl, mask_sets: int):
+        """On XLA, MpDeviceLoader: host-to-device copies overlap compute, and under SPMD
+        every batch tensor is sharded along its batch axis over the mesh's data axis."""
         if self.kind != "xla":
             return dl
         import torch_xla.distributed.parallel_loader as pl
 
-        sharding = _batch_sharding(self.mesh) if self.mesh is not None else None
+        sharding = _batch_sharding(self.mesh, mask_sets) if self.mesh is not None else None
         return pl.MpDeviceLoader(dl, self.device, input_sharding=sharding)
 
     def barrier(self) -> None:
@@ -92,14 +92,17 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def _batch_sharding(mesh):
+def _batch_sharding(mesh, mask_sets: int) -> dict:
     """Shard every batch tensor along its first (batch) axis over the data axis."""
     import torch_xla.distributed.spmd as xs
 
     def spec(ndim: int):
         return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1))
 
-    return {"x": spec(5), "aug": spec(2), "index": spec(1), "masks": [(spec(2), spec(2))] * 8}
+    out = {"x": spec(5), "aug": spec(2), "index": spec(1)}
+    for i in range(mask_sets):
+        out[f"ctx_{i}"] = out[f"tgt_{i}"] = spec(2)
+    return out
 
 
 def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
