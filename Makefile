@@ -27,11 +27,18 @@ ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 # one process, or torchrun with NPROC processes (DDP: gloo on CPU, nccl on CUDA); XLA runs one process per host
 launch      = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --nproc_per_node $(NPROC),$(PY))
 
-.PHONY: help venv demo test bench mirror manifest cache stage pretrain clean-demo
+# The torch_xla lane: its own venv outside the clone, keyed by its requirements, reused by CI.
+XLA_REQ  := torch==2.9.0 torch_xla==2.9.0
+XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
+XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
+XPY      := $(XLA_VENV)/bin/python
+
+.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
+	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
@@ -58,7 +65,15 @@ demo: $(STAMP)
 	@echo "demo: done. Inspect with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/xla
+
+xla-venv:
+	@test -f $(XLA_VENV)/.complete || { rm -rf $(XLA_VENV) && $(PYTHON) -m venv $(XLA_VENV) && \
+	  $(XPY) -m pip install -q --upgrade pip && $(XPY) -m pip install -q $(XLA_REQ) && touch $(XLA_VENV)/.complete; }
+	$(XPY) -m pip install -q -e '.[test]'
+
+test-xla: xla-venv
+	PJRT_DEVICE=CPU OCTFM_REQUIRE_XLA=1 $(XPY) -m pytest -q tests/xla
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

@@ -77,7 +77,7 @@ class CacheDataset(Dataset):
         sets = M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
-        item = {"x": x, "aug": aug, "index": torch.tensor(index)}
+        item = {"x": x, "aug": aug}
         for i, (c, g, _) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
             item[f"ctx_{i}"] = torch.from_numpy(c).long()
             item[f"tgt_{i}"] = torch.from_numpy(g).long()
@@ -91,14 +91,15 @@ def mask_pairs(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class EpochSampler(Sampler):
-    """An endless stream of (epoch, index), `batch` per process per step, starting at any
-    consumed-batch count. Epochs are trimmed to whole global batches so every process sees
-    the same number of batches (no rank runs dry and hangs a collective)."""
+    """A stream of (epoch, index), `batch` per process per step, from batch `start_batch` to
+    `stop_batch` (None: endless) counted across epochs. Epochs are trimmed to whole global
+    batches so every process sees the same number of batches (no rank runs dry and hangs a
+    collective). Finite streams let loader threads finish before the interpreter exits."""
 
     def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1, seed: int = 0,
-                 shuffle: bool = True, start_batch: int = 0):
+                 shuffle: bool = True, start_batch: int = 0, stop_batch: int | None = None):
         self.n, self.batch, self.rank, self.world, self.seed = n, batch, rank, world, seed
-        self.shuffle, self.start_batch = shuffle, start_batch
+        self.shuffle, self.start_batch, self.stop_batch = shuffle, start_batch, stop_batch
         self.batches_per_epoch = n // (batch * world)
         if self.batches_per_epoch == 0:
             raise UsageError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
@@ -114,11 +115,17 @@ class EpochSampler(Sampler):
 
     def __iter__(self):
         epoch, b = divmod(self.start_batch, self.batches_per_epoch)
-        while True:
-            idx = self.epoch_indices(epoch)
-            for i in idx[b * self.batch:]:
+        left = None if self.stop_batch is None else max(0, self.stop_batch - self.start_batch) * self.batch
+        while left is None or left > 0:
+            idx = self.epoch_indices(epoch)[b * self.batch:]
+            if left is not None:
+                idx = idx[:left]
+                left -= len(idx)
+            for i in idx:
                 yield (epoch, i)
             epoch, b = epoch + 1, 0
 
-    def __len__(self) -> int:  # endless; DataLoader only needs it for len(), which we never call
-        return 2 ** 62
+    def __len__(self) -> int:
+        if self.stop_batch is None:
+            return 2 ** 62  # endless
+        return max(0, self.stop_batch - self.start_batch) * self.batch

@@ -12,11 +12,17 @@ import torch
 @torch.no_grad()
 def rankme(features: torch.Tensor, max_tokens: int = 2048, eps: float = 1e-7) -> float:
     """RankMe effective rank: exp(entropy) of the normalised singular values of a
-    [n, d] feature matrix (Garrido et al. 2023). Collapse drives it towards 1."""
-    f = features.reshape(-1, features.shape[-1]).float().cpu()
+    [n, d] feature matrix (Garrido et al. 2023). Collapse drives it towards 1.
+
+    The singular values come from the d x d Gram matrix, reduced on the device: only that
+    small replicated matrix crosses to the host (moving batch-sharded features to the host
+    under XLA SPMD would compile an unsharding program at every log step)."""
+    f = features.reshape(-1, features.shape[-1]).float()
     if f.shape[0] > max_tokens:
-        f = f[torch.linspace(0, f.shape[0] - 1, max_tokens).long()]
-    s = torch.linalg.svdvals(f)
+        idx = torch.linspace(0, f.shape[0] - 1, max_tokens).long().to(f.device)
+        f = f.index_select(0, idx)
+    gram = (f.T @ f).cpu().double()
+    s = torch.linalg.eigvalsh(gram).clamp(min=0).sqrt()
     p = s / (s.sum() + eps) + eps
     return float(torch.exp(-(p * p.log()).sum()))
 

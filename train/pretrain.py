@@ -48,6 +48,34 @@ def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tens
     return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas), **kw)
 
 
+def set_scalar(t: torch.Tensor, value: float) -> None:
+    """Write a host value into a device tensor as data, never as a graph constant. torch_xla
+    bakes the scalars 0 and 1 into graphs, 0-dim host tensors included (a momentum reaching 1
+    recompiled); copying a 1-element vector into a view is transferred as data (seen: no
+    recompilation for 0.5, 0.7, 1.0, 0.0)."""
+    t.view(1).copy_(torch.tensor([value], dtype=t.dtype))
+
+
+def to_cpu(obj):
+    """A state dict tree with every tensor on the CPU (checkpoints load on any device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def xla_compiles() -> dict:
+    """Compilation count and seconds so far (torch_xla.debug.metrics), for metrics.jsonl."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    count, total = (data[0], data[1]) if data else (0, 0.0)
+    return {"xla_compiles": int(count), "xla_compile_s": round(total / 1e9, 3)}
+
+
 @torch.no_grad()
 def ema_update(target: Encoder, online: Encoder, momentum: torch.Tensor) -> None:
     """target = m * target + (1 - m) * online, with m a device tensor."""
@@ -77,7 +105,7 @@ class Trainer:
         self.lr = torch.tensor(schedule.learning_rate(0, cfg.max_steps, cfg.optim), device=rt.device)
         self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
         self.opt = build_optimizer(self.model, cfg, rt, self.lr)
-        self.loss_mean = torch.zeros((), device=rt.device)
+        self.loss_mean = torch.full((), float("inf"), device=rt.device)  # no spike test before a first loss
         self.skipped = torch.zeros((), device=rt.device)
         self.step = 0
         self.consumed = 0  # batches drawn per process: the data position
@@ -85,13 +113,13 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict:
-        return {
+        return to_cpu({
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
             "scheduler": {"step": self.step, "lr": float(self.lr), "ema_momentum": float(self.momentum)},
             "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
             "skipped_updates": self.skipped.cpu(), "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg),
             "world": self.rt.world,
-        }
+        })
 
     def _maybe_resume(self, ckpt: str | None) -> str | None:
         uri = ckpt or checkpoint.latest(self.ckpt_dir)
@@ -117,10 +145,11 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------ data
-    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int):
+    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None):
         cfg = self.cfg
         ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment)
-        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch)
+        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
+                                    stop_batch)
         kw = {}
         if cfg.data.workers > 0:
             kw = {"num_workers": cfg.data.workers, "multiprocessing_context": cfg.data.start_method,
@@ -147,10 +176,7 @@ class Trainer:
             loss_sum = loss_sum + loss.detach().float()
         loss = loss_sum / accum
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)  # pre-clip norm
-        warm = self.step < 10
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        if not warm:
-            ok = ok & (loss < cfg.optim.spike_factor * self.loss_mean)
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss < cfg.optim.spike_factor * self.loss_mean)
         if rt.kind == "xla":  # no host sync: zero the update instead of branching
             okf = ok.float()
             for p in self.model.parameters():
@@ -163,8 +189,7 @@ class Trainer:
             ema_update(self.target, self.model.encoder, self.momentum)
         self.opt.zero_grad(set_to_none=True)
         okf = ok.float()
-        first = torch.tensor(float(self.step == 0), device=rt.device)
-        new_mean = torch.where(first > 0, loss, 0.9 * self.loss_mean + 0.1 * loss)
+        new_mean = torch.where(torch.isinf(self.loss_mean), loss, 0.9 * self.loss_mean + 0.1 * loss)
         self.loss_mean.copy_(torch.where(ok, new_mean, self.loss_mean))
         self.skipped.add_(1.0 - okf)
         return loss, grad_norm, targets
@@ -176,7 +201,8 @@ class Trainer:
         if len(rows) < cfg.batch_size * self.rt.world:
             return None
         if getattr(self, "_val_dl", None) is None:  # built once: its workers persist between validations
-            self._val_dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1)[1]
+            self._val_dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1,
+                                       stop_batch=cfg.val_batches)[1]
         it = iter(self.rt.loader(self._val_dl, len(cfg.mask.sets)))
         n = min(cfg.val_batches, len(rows) // (cfg.batch_size * self.rt.world))
         total = torch.zeros((), device=self.rt.device)
@@ -194,7 +220,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         log = metrics.MetricsLog(self.run_dir, rt.is_master, cfg.wandb, config.to_dict(cfg))
         net = rt.wrap(self.model)
-        sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed)
+        sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
+                                  stop_batch=cfg.max_steps * cfg.optim.accum_steps)
         it = iter(rt.loader(dl, len(cfg.mask.sets)))
         accum = cfg.optim.accum_steps
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
@@ -202,8 +229,8 @@ class Trainer:
         first_loss = last_loss = None
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         while self.step < cfg.max_steps:
-            self.lr.fill_(schedule.learning_rate(self.step, cfg.max_steps, cfg.optim))
-            self.momentum.fill_(schedule.ema_momentum(self.step, cfg.max_steps, cfg.optim))
+            set_scalar(self.lr, schedule.learning_rate(self.step, cfg.max_steps, cfg.optim))
+            set_scalar(self.momentum, schedule.ema_momentum(self.step, cfg.max_steps, cfg.optim))
             batches = []
             for _ in range(accum):
                 tw = time.perf_counter()
@@ -226,6 +253,8 @@ class Trainer:
                     "target_std": metrics.feature_std(targets),
                     "rankme": metrics.rankme(targets, cfg.rankme_tokens), "skipped_updates": int(self.skipped),
                 }
+                if rt.kind == "xla":
+                    rec.update(xla_compiles())
                 log.log(rec)
                 first_loss = rec["loss"] if first_loss is None else first_loss
                 last_loss = rec["loss"]

@@ -99,7 +99,7 @@ def _batch_sharding(mesh, mask_sets: int) -> dict:
     def spec(ndim: int):
         return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1))
 
-    out = {"x": spec(5), "aug": spec(2), "index": spec(1)}
+    out = {"x": spec(5), "aug": spec(2)}
     for i in range(mask_sets):
         out[f"ctx_{i}"] = out[f"tgt_{i}"] = spec(2)
     return out

@@ -21,6 +21,6 @@ def learning_rate(step: int, total: int, cfg: OptimConfig) -> float:
 
 
 def ema_momentum(step: int, total: int, cfg: OptimConfig) -> float:
-    """Linear from ema[0] to ema[1] over the run."""
+    """Linear from ema[0] at the first update to ema[1] at the last (step total - 1)."""
     start, end = cfg.ema
-    return start + (end - start) * min(1.0, step / max(1, total))
+    return start + (end - start) * min(1.0, step / max(1, total - 1))
