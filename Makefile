@@ -76,7 +76,7 @@ test-xla: xla-venv
 	PJRT_DEVICE=CPU OCTFM_REQUIRE_XLA=1 $(XPY) -m pytest -q tests/xla
 
 bench: $(STAMP)
-	$(PY) -m bench $(ARGS)
+	$(PY) -m bench --xla-python $(XPY) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)

@@ -10,10 +10,10 @@ import platform
 import time
 from pathlib import Path
 
-from bench import cache_bench, train_bench
+from bench import cache_bench, train_bench, xla_bench
 from octfm import cli
 
-SUITES = {"cache": cache_bench.run, "train": train_bench.run}
+SUITES = {"cache": cache_bench.run, "train": train_bench.run, "xla": xla_bench.run}
 
 
 def main(argv=None) -> int:
@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--only", choices=sorted(SUITES), action="append")
     ap.add_argument("--quick", action="store_true", help="smaller inputs (a smoke run, not for the record)")
+    ap.add_argument("--xla-python", default=None, help="python of the torch_xla venv (make xla-venv)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -29,7 +30,8 @@ def main(argv=None) -> int:
     results["machine"] = {"cpus": len(__import__("os").sched_getaffinity(0)), "python": platform.python_version(),
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     for name in a.only or list(SUITES):
-        res, lines = SUITES[name](out / name, quick=a.quick)
+        kw = {"xla_python": a.xla_python} if name == "xla" else {}
+        res, lines = SUITES[name](out / name, quick=a.quick, **kw)
         results[name] = {**res, "markdown": lines, "quick": a.quick}
     md = [f"# octfm benchmarks ({results['machine']['cpus']} CPUs, {results['machine']['when']})", ""]
     for name in SUITES:  # every suite measured so far, newest numbers

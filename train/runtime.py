@@ -93,11 +93,15 @@ class Runtime:
 
 
 def _batch_sharding(mesh, mask_sets: int) -> dict:
-    """Shard every batch tensor along its first (batch) axis over the data axis."""
+    """Shard every batch tensor along its first (batch) axis over the data axis. With several
+    hosts each loads its own slice of the global batch (minibatch=True)."""
     import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    multi_host = xr.process_count() > 1
 
     def spec(ndim: int):
-        return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1))
+        return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1), minibatch=multi_host)
 
     out = {"x": spec(5), "aug": spec(2)}
     for i in range(mask_sets):
