@@ -137,7 +137,8 @@ def pool_context():
 
 def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_row) -> None:
     """Process rows in a pool of single-threaded workers; rows of a crashed worker get one
-    retry, then fail with a reason."""
+    retry, then fail with a reason. No max_tasks_per_child: on Python 3.11 a pool that
+    replaces its workers can hang forever (seen here at 128 tasks with 2 workers)."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
     ctx = pool_context()
     cfg_dict = config.to_dict(cfg)
@@ -146,7 +147,7 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
     while pending:
         retry: list[dict] = []
         with ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx,
-                                 initializer=_init_worker, max_tasks_per_child=64) as pool:
+                                 initializer=_init_worker) as pool:
             futures = {pool.submit(process_row, r, cfg_dict, cache_root, tag): r for r in pending}
             remaining = set(futures)
             while remaining:

@@ -190,3 +190,15 @@ def test_changed_parameters_redo_volumes(synth_tree, tmp_path):
     df = pd.read_parquet(cache / "manifest.parquet")
     assert " 0 reused" in r.stdout
     assert all(list(s) == [8, 32, 32] for s in df[df.status == "ok"]["shape"])
+
+
+def test_build_with_many_more_rows_than_workers_finishes(tmp_path):
+    """Regression: with max_tasks_per_child the 3.11 pool hung once workers were replaced
+    (seen at 128 tasks on 2 workers)."""
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False))
+    r = run_cli("cache.build", "--source", str(src), "--cache", str(tmp_path / "c"), "--no-progress",
+                "preprocess.target_shape=[8,16,16]", timeout=180)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(tmp_path / "c" / "manifest.parquet")
+    assert len(df) == 135 and (df.status == "ok").all()

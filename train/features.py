@@ -1,0 +1,89 @@
+"""Frozen-encoder features, extracted once per (checkpoint, cache, extraction settings) and
+kept on disk, so probes train from them in seconds and re-runs reuse them."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cache import store
+from octfm import config, fsio
+from train import checkpoint
+from train.config import TrainConfig
+from train.model import Encoder
+from train.pretrain import normalize
+
+FEATURE_VERSION = "1"
+
+
+def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None) -> tuple[Encoder, TrainConfig, dict]:
+    """The EMA target encoder of a checkpoint (V-JEPA evaluates it), or a random one of the
+    same architecture when ckpt is None (the baseline). Returns encoder, config, identity."""
+    if ckpt:
+        st = checkpoint.load(ckpt)
+        cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
+        enc = Encoder(cfg.model, cfg.data.input_shape)
+        enc.load_state_dict(st["target"])
+        fs, path = fsio.filesystem(ckpt)
+        info = fs.info(path)
+        ident = {"ckpt": str(ckpt), "step": int(st["step"]), "size": int(info.get("size") or 0)}
+    else:
+        cfg = train_cfg
+        torch.manual_seed(seed)
+        enc = Encoder(cfg.model, cfg.data.input_shape)
+        ident = {"ckpt": None, "random_seed": seed}
+    return enc.eval(), cfg, ident
+
+
+def center_crop(vol: np.ndarray, shape) -> np.ndarray:
+    starts = [(n - s) // 2 for n, s in zip(vol.shape, shape)]
+    return vol[tuple(slice(a, a + s) for a, s in zip(starts, shape))]
+
+
+@torch.no_grad()
+def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu", batch: int = 4,
+            progress=None) -> dict:
+    """Mean-pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16)."""
+    enc = enc.to(device)
+    pooled, tokens = [], []
+    s = cfg.data.stride
+    for i in range(0, len(rows), batch):
+        vols = []
+        for r in rows[i:i + batch]:
+            v = store.read_volume(cache, r["volume"])[::s[0], ::s[1], ::s[2]]
+            vols.append(torch.from_numpy(np.ascontiguousarray(center_crop(v, cfg.data.input_shape)))[None])
+        x = torch.stack(vols).to(device)
+        aug = torch.tensor([[1.0, 0.0]] * len(vols), device=device)
+        h = enc(normalize(x, aug)).float()                                      # [b, N, d]
+        pooled.append(h.mean(1).cpu())
+        g = enc.grid
+        grid = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *g)
+        grid = F.avg_pool3d(grid, kernel_size=tuple(token_pool), ceil_mode=True)
+        tokens.append(grid.flatten(2).transpose(1, 2).half().cpu())
+        if progress:
+            progress(len(vols))
+    return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(tokens).numpy()}
+
+
+def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool) -> str:
+    blob = {"encoder": ident, "rows": [(r["relpath"], r["cache_key"]) for r in rows], "stride": list(cfg.data.stride),
+            "input": list(cfg.data.input_shape), "pool": list(token_pool), "version": FEATURE_VERSION}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cached(out_dir: Path, key: str, compute) -> tuple[dict, bool]:
+    """Load <out_dir>/<key>.npz, or compute and write it atomically. Returns (arrays, reused)."""
+    path = Path(out_dir) / f"{key}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}, True
+    arrays = compute()
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    fsio.atomic_write_bytes(str(path), buf.getvalue())
+    return arrays, False

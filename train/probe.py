@@ -1,0 +1,279 @@
+"""`make probe CONFIG=configs/probe.yaml [CKPT=...]`: frozen-encoder probes for diabetes status.
+
+Features are extracted once per checkpoint and cache (kept under the run's probe folder);
+a grid of linear and attentive heads trains from them in seconds, is chosen on val and
+reported on test, with participant-level bootstrap intervals, per-device results,
+cross-device transfer, and the same probes on a random encoder plus a majority predictor.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from manifests.aireadi import STUDY_GROUPS
+from manifests.splits import split_leaks
+from octfm import cli, config, fsio
+from train import checkpoint, data, features
+from train import probe_metrics as pm
+from train.probe_heads import train_heads
+
+TASKS = {
+    "study_group": {"classes": 4, "names": list(STUDY_GROUPS), "map": lambda label: label},
+    # diabetic: oral medication / non-insulin injectable (2) or insulin dependent (3) vs not
+    "diabetic": {"classes": 2, "names": ["not_diabetic", "diabetic"], "map": lambda label: int(label >= 2)},
+}
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+    run: str | None = None             # pretraining run folder (runs/<name>): its newest checkpoint
+    ckpt: str | None = None            # or an explicit checkpoint (local or gs://); wins over run
+    cache: str | None = None           # None: the cache the checkpoint was trained on
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["study_group", "diabetic"])
+    heads: list[str] = dataclasses.field(default_factory=lambda: ["linear", "attentive"])
+    lrs: list[float] = dataclasses.field(default_factory=lambda: [3e-4, 1e-3, 3e-3])
+    weight_decays: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.01, 0.1])
+    epochs: int = 60
+    batch_size: int = 32
+    class_weight: bool = True
+    token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
+    extract_batch: int = 4
+    device: str = "cpu"
+    bootstrap: int = 1000
+    per_device: bool = True
+    cross_device: bool = True
+    baselines: bool = True
+    shuffle_labels: bool = False       # a control: labels permuted across participants
+    seed: int = 0
+
+
+def resolve_checkpoint(cfg: ProbeConfig) -> str:
+    if cfg.ckpt:
+        return cfg.ckpt
+    if cfg.run:
+        uri = checkpoint.latest(fsio.join(cfg.run, "checkpoints"))
+        if uri:
+            return uri
+        raise cli.UsageError(f"run: no checkpoint under {cfg.run}/checkpoints")
+    raise cli.UsageError("probe config: set `run` (a pretraining run folder) or `ckpt` (or CKPT=...)")
+
+
+def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
+    """Cached ok volumes with a label and a split; no participant may sit in two splits."""
+    rows = [r for r in data.select_rows(cache, ["train", "val", "test"], None) if r["label"] is not None]
+    leaks = split_leaks(__import__("pandas").DataFrame(rows))
+    if leaks:
+        raise cli.UsageError(f"{cache}: participants in more than one split: {leaks[:10]}")
+    if shuffle:  # permute labels across participants (keeps each participant's rows together)
+        people = sorted({r["participant_id"] for r in rows})
+        labels = {p: next(r["label"] for r in rows if r["participant_id"] == p) for p in people}
+        perm = np.random.default_rng(seed).permutation(len(people))
+        new = {p: labels[people[j]] for p, j in zip(people, perm)}
+        rows = [{**r, "label": new[r["participant_id"]]} for r in rows]
+    return rows
+
+
+def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None):
+    """Train the lr x wd grid on train, pick the best head on val balanced accuracy."""
+    grid = [(lr, wd) for lr in cfg.lrs for wd in cfg.weight_decays]
+    tr = (split == "train") if train_mask is None else train_mask
+    va = (split == "val") if val_mask is None else val_mask
+    tokens = feats["tokens"].astype(np.float32) if kind == "attentive" else None
+    predict = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
+                          classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight)
+    probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
+    scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
+              for h in range(len(grid))]
+    best = max(range(len(grid)), key=lambda h: (np.nan_to_num(scores[h][0], nan=-1), np.nan_to_num(scores[h][1], nan=-1)))
+    return {"lr": grid[best][0], "weight_decay": grid[best][1], "val_balanced_accuracy": scores[best][0],
+            "val_auroc": scores[best][1]}, probs[best]
+
+
+def evaluate(prob, y, groups, mask, classes, cfg) -> dict:
+    out = pm.summary(y[mask], prob[mask], classes)
+    out.update(pm.bootstrap_ci(y[mask], prob[mask], groups[mask], classes, cfg.bootstrap, cfg.seed))
+    return out
+
+
+def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path) -> dict:
+    spec = TASKS[task]
+    k = spec["classes"]
+    y = np.array([spec["map"](r["label"]) for r in rows])
+    split = np.array([r["split"] for r in rows])
+    groups = np.array([r["participant_id"] for r in rows])
+    devices = np.array([r["device"] for r in rows])
+    test = split == "test"
+    result: dict = {"task": task, "classes": spec["names"], "counts": {s: np.bincount(y[split == s], minlength=k).tolist()
+                                                                        for s in ("train", "val", "test")},
+                    "probes": [], "per_device": {}, "cross_device": None}
+    best_prob = None
+    for enc_name, feats in feats_by_encoder.items():
+        for kind in cfg.heads:
+            chosen, prob = fit_and_select(kind, cfg, feats, y, split, k)
+            res = {"encoder": enc_name, "head": kind, **chosen, "test": evaluate(prob, y, groups, test, k, cfg)}
+            result["probes"].append(res)
+            if enc_name == "pretrained" and kind == cfg.heads[0]:
+                best_prob = prob
+            if cfg.per_device and enc_name == "pretrained":
+                result["per_device"][kind] = {d: pm.summary(y[test & (devices == d)], prob[test & (devices == d)], k)
+                                              for d in sorted(set(devices[test]))}
+    majority = np.bincount(y[split == "train"], minlength=k).argmax()
+    mprob = np.eye(k)[np.full(len(y), majority)]
+    result["probes"].append({"encoder": "none", "head": "majority_class", "test": evaluate(mprob, y, groups, test, k, cfg)})
+    if cfg.cross_device and "pretrained" in feats_by_encoder:
+        result["cross_device"] = cross_device(cfg, feats_by_encoder["pretrained"], y, split, devices, k)
+    write_report(result, out_dir, y[test], best_prob[test] if best_prob is not None else None)
+    return result
+
+
+def cross_device(cfg, feats, y, split, devices, k) -> dict:
+    """Balanced accuracy of a linear probe trained (and chosen) on one scanner, tested on each."""
+    out = {}
+    for src in sorted(set(devices)):
+        tr, va = (split == "train") & (devices == src), (split == "val") & (devices == src)
+        if len(set(y[tr])) < 2 or va.sum() == 0:
+            continue
+        _, prob = fit_and_select("linear", cfg, feats, y, split, k, tr, va)
+        out[src] = {dst: pm.balanced_accuracy(y[(split == "test") & (devices == dst)],
+                                              prob[(split == "test") & (devices == dst)].argmax(1), k)
+                    for dst in sorted(set(devices[split == "test"]))}
+    return out
+
+
+def _fmt(v, ci=None) -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "n/a"
+    s = f"{v:.3f}"
+    if ci and ci[0] is not None:
+        s += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+    return s
+
+
+def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=float))
+    lines = [f"# Probe: {result['task']} ({', '.join(result['classes'])})", "",
+             f"Rows per class: train {result['counts']['train']}, val {result['counts']['val']}, "
+             f"test {result['counts']['test']}. Intervals: 95% bootstrap over participants.", "",
+             "| encoder | head | lr | wd | val bal. acc | test bal. acc | test AUROC (macro OvR) | entropy | collapsed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in result["probes"]:
+        t = p["test"]
+        lines.append(f"| {p['encoder']} | {p['head']} | {p.get('lr', '')} | {p.get('weight_decay', '')} | "
+                     f"{_fmt(p.get('val_balanced_accuracy'))} | {_fmt(t['balanced_accuracy'], t['balanced_accuracy_ci95'])} | "
+                     f"{_fmt(t['auroc_macro_ovr'], t['auroc_macro_ovr_ci95'])} | {t['prediction_entropy']:.3f} | "
+                     f"{'YES' if t['collapsed'] else 'no'} |")
+    for kind, per in result["per_device"].items():
+        lines += ["", f"Per device (pretrained, {kind}, test):", "", "| device | n | bal. acc | AUROC |", "|---|---|---|---|"]
+        lines += [f"| {d} | {m['n']} | {_fmt(m['balanced_accuracy'])} | {_fmt(m['auroc_macro_ovr'])} |" for d, m in per.items()]
+    if result["cross_device"]:
+        dsts = sorted({d for row in result["cross_device"].values() for d in row})
+        lines += ["", "Cross-device transfer (linear, balanced accuracy; rows: trained on, columns: tested on):", "",
+                  "| train \\ test | " + " | ".join(dsts) + " |", "|---" * (len(dsts) + 1) + "|"]
+        lines += [f"| {s} | " + " | ".join(_fmt(row.get(d)) for d in dsts) + " |" for s, row in result["cross_device"].items()]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    if prob_test is not None and len(y_test):
+        plot(out_dir, result, y_test, prob_test)
+
+
+def plot(out_dir: Path, result: dict, y, prob) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = prob.shape[1]
+    names = result["classes"]
+    cm = pm.confusion(y, prob.argmax(1), k)
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.imshow(cm, cmap="Blues")
+    for i in range(k):
+        for j in range(k):
+            ax.text(j, i, str(cm[i, j]), ha="center", va="center")
+    short = [n[:14] for n in names]
+    ax.set_xticks(range(k), short, rotation=30, ha="right")
+    ax.set_yticks(range(k), short)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"{result['task']}: pretrained encoder, test")
+    fig.tight_layout()
+    fig.savefig(out_dir / "confusion.png", dpi=90)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for c in (range(k) if k > 2 else [1]):
+        yc = (y == c).astype(int)
+        if 0 < yc.sum() < len(yc):
+            order = np.argsort(-prob[:, c])
+            tpr = np.concatenate([[0], np.cumsum(yc[order]) / yc.sum()])
+            fpr = np.concatenate([[0], np.cumsum(1 - yc[order]) / (len(yc) - yc.sum())])
+            ax.plot(fpr, tpr, label=f"{short[c]} (AUROC {pm.binary_auroc(yc, prob[:, c]):.2f})")
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{result['task']}: ROC (one vs rest), test")
+    fig.tight_layout()
+    fig.savefig(out_dir / "roc.png", dpi=90)
+    plt.close(fig)
+
+
+def run(cfg: ProbeConfig) -> dict:
+    ckpt = resolve_checkpoint(cfg)
+    enc, tcfg, ident = features.load_encoder(ckpt)
+    cache = cfg.cache or tcfg.data.cache
+    rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
+    if not rows:
+        raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
+    run_dir = Path(cfg.run) if cfg.run else Path(tcfg.runs_dir) / tcfg.name
+    probe_dir = run_dir / "probe"
+    encoders = {"pretrained": (enc, ident)}
+    if cfg.baselines:
+        r_enc, _, r_ident = features.load_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
+        encoders["random_init"] = (r_enc, r_ident)
+    feats, reused = {}, {}
+    for name, (e, idn) in encoders.items():
+        key = features.feature_key(idn, rows, tcfg, cfg.token_pool)
+        feats[name], reused[name] = features.cached(
+            probe_dir / "features", key,
+            lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch))
+    results = {}
+    for task in cfg.tasks:
+        if task not in TASKS:
+            raise cli.UsageError(f"tasks: unknown task {task!r} (known: {', '.join(TASKS)})")
+        suffix = "_shuffled" if cfg.shuffle_labels else ""
+        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}")
+    return {"ckpt": ckpt, "cache": cache, "rows": len(rows), "features_reused": reused, "results": results,
+            "probe_dir": str(probe_dir)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make probe", description=__doc__)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    cfg = config.load(ProbeConfig, a.config, a.overrides)
+    if a.ckpt:
+        cfg.ckpt = a.ckpt
+    t0 = time.perf_counter()
+    out = run(cfg)
+    print(f"probe: {out['ckpt']} on {out['cache']} ({out['rows']} labelled volumes); features reused: "
+          f"{out['features_reused']}")
+    for task, res in out["results"].items():
+        rows = [(p["encoder"], p["head"], _fmt(p["test"]["balanced_accuracy"], p["test"]["balanced_accuracy_ci95"]),
+                 _fmt(p["test"]["auroc_macro_ovr"]), "YES" if p["test"]["collapsed"] else "no") for p in res["probes"]]
+        print(f"\n{task} (test):")
+        print(cli.format_table(["encoder", "head", "balanced acc [95% CI]", "AUROC", "collapsed"], rows))
+    print(f"\nprobe: reports in {out['probe_dir']}/<task>/ (metrics.json, report.md, confusion.png, roc.png); "
+          f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

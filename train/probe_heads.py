@@ -1,0 +1,111 @@
+"""Many probe heads trained at once on frozen features: a grid of learning rate x weight
+decay for a linear probe (mean-pooled tokens) and an attentive probe (a learned query
+attends over the tokens). Heads share nothing, so one summed loss trains them all."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LinearHeads(nn.Module):
+    def __init__(self, n_heads: int, dim: int, classes: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.w = nn.Parameter(torch.zeros(n_heads, dim, classes))
+        self.b = nn.Parameter(torch.zeros(n_heads, classes))
+
+    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.norm(pooled)                                   # [B, d]
+        return torch.einsum("bd,hdc->bhc", x, self.w) + self.b  # [B, H, C]
+
+
+class AttentiveHeads(nn.Module):
+    """Cross-attention pooling: per head, `queries` learned vectors attend over the (normed)
+    tokens; the pooled vectors feed a linear classifier. (A key or value projection would
+    fold into the query and the classifier, so none is learned.)"""
+
+    def __init__(self, n_heads: int, dim: int, classes: int, queries: int = 4):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.q = nn.Parameter(torch.randn(n_heads, queries, dim) * 0.02)
+        self.w = nn.Parameter(torch.zeros(n_heads, queries * dim, classes))
+        self.b = nn.Parameter(torch.zeros(n_heads, classes))
+
+    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        t = self.norm(tokens)                                                   # [B, N, d]
+        att = torch.softmax(torch.einsum("bnd,hqd->bhqn", t, self.q) / math.sqrt(t.shape[-1]), dim=-1)
+        z = torch.einsum("bhqn,bnd->bhqd", att, t).flatten(2)                   # [B, H, Q*d]
+        return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+
+
+def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
+                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True):
+    """Train one head per (lr, wd) on the training features; returns a predict function."""
+    torch.manual_seed(seed)
+    heads = (AttentiveHeads if kind == "attentive" else LinearHeads)(len(grid), pooled.shape[1], classes)
+    opt = _HeadAdamW(heads, grid)
+    counts = np.bincount(y, minlength=classes).astype(np.float64)
+    weight = torch.tensor(np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / classes, 0.0),
+                          dtype=torch.float32) if class_weight else None
+    P = torch.from_numpy(pooled).float()
+    T = torch.from_numpy(tokens).float() if tokens is not None else None
+    Y = torch.from_numpy(y).long()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(Y), generator=g)
+        for i in range(0, len(Y), batch):
+            idx = perm[i:i + batch]
+            logits = heads(P[idx], T[idx] if T is not None else None)           # [b, H, C]
+            loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(len(grid)),
+                                   weight=weight, reduction="mean") * len(grid)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    @torch.no_grad()
+    def predict(pooled_x: np.ndarray, tokens_x: np.ndarray | None) -> np.ndarray:
+        heads.eval()
+        out = []
+        for i in range(0, len(pooled_x), 256):
+            p = torch.from_numpy(pooled_x[i:i + 256]).float()
+            t = torch.from_numpy(tokens_x[i:i + 256]).float() if tokens_x is not None else None
+            out.append(torch.softmax(heads(p, t), dim=-1).numpy())
+        return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
+
+    return predict
+
+
+class _HeadAdamW:
+    """AdamW whose learning rate and weight decay differ per head (slice 0 of each stacked
+    parameter), so a whole grid trains in one pass."""
+
+    def __init__(self, module: nn.Module, grid, betas=(0.9, 0.999), eps=1e-8):
+        self.params = [p for p in module.parameters()]
+        self.lr = torch.tensor([lr for lr, _ in grid], dtype=torch.float32)
+        self.wd = torch.tensor([wd for _, wd in grid], dtype=torch.float32)
+        self.betas, self.eps, self.t = betas, eps, 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            shape = (-1,) + (1,) * (p.ndim - 1)
+            lr, wd = self.lr.view(shape), self.wd.view(shape)
+            p.mul_(1 - lr * wd)
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            mhat, vhat = m / (1 - b1 ** self.t), v / (1 - b2 ** self.t)
+            p.sub_(lr * mhat / (vhat.sqrt() + self.eps))
