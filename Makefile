@@ -33,7 +33,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain clean-demo
+.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain probe clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -45,6 +45,7 @@ help:
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
+	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 
 venv: $(STAMP)
 
@@ -62,6 +63,7 @@ demo: $(STAMP)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
+	$(PY) -m train.probe --config configs/probe.yaml run=runs/pretrain_smoke
 	@echo "demo: done. Inspect with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
 test: $(STAMP)
@@ -89,6 +91,9 @@ cache: $(STAMP)
 
 stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
+
+probe: $(STAMP)
+	$(PY) -m train.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

@@ -232,7 +232,9 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         pid = row[cfg.id_column]
         g = row["study_group"]
         label = STUDY_GROUPS.index(g) if g else None
-        spec = DEVICES[device_names[i % len(device_names)]]
+        # a Latin square: over 16 participants each (device, label) pair occurs once, so the
+        # device says nothing about the label (a probe must not score by recognising scanners)
+        spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
         for lat in ("R", "L"):
             ds, shape, uid = volume_dataset(pid, spec, lat, label)
             name = f"{pid}_{spec.short}_mac_oct_{lat.lower()}_{uid}.dcm"

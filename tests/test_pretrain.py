@@ -33,15 +33,15 @@ def test_overfitting_a_tiny_batch_lowers_loss_without_collapse(tiny_cache, tmp_p
 
     tr = tiny_trainer(tiny_cache, tmp_path)
     batch = first_batch(tr)
-    tr.lr.fill_(2e-3)
+    tr.lr.fill_(3e-3)
     tr.momentum.fill_(0.99)
     losses, norms = [], []
-    for _ in range(80):
+    for _ in range(150):
         loss, gnorm, targets = tr.update([batch], tr.model)
         tr.step += 1
         losses.append(float(loss))
         norms.append(float(gnorm))
-    assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
+    assert losses[-1] < 0.6 * losses[0], (losses[0], min(losses), losses[-1])
     assert min(norms) > 0
     assert metrics.feature_std(targets) > 0.2
     assert metrics.rankme(targets) > 4.0  # of at most 32 (the width): not collapsed

@@ -1,0 +1,113 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
+
+from conftest import run_cli, tiny_train_args
+from ingest import synth
+from octfm import config
+from octfm.cli import UsageError
+from train import probe
+from train import probe_metrics as pm
+
+
+def test_metrics_agree_with_scikit_learn():
+    rng = np.random.default_rng(0)
+    for k in (2, 4):
+        y = rng.integers(0, k, 300)
+        logits = rng.normal(size=(300, k)) + 1.5 * np.eye(k)[y]
+        prob = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        pred = prob.argmax(1)
+        assert pm.balanced_accuracy(y, pred, k) == pytest.approx(balanced_accuracy_score(y, pred))
+        assert (pm.confusion(y, pred, k) == confusion_matrix(y, pred, labels=range(k))).all()
+        ref = roc_auc_score(y, prob[:, 1]) if k == 2 else roc_auc_score(y, prob, multi_class="ovr", average="macro")
+        assert pm.macro_auroc(y, prob) == pytest.approx(ref)
+    ties = np.array([0.5, 0.5, 0.2, 0.8, 0.5])
+    assert pm.binary_auroc(np.array([1, 0, 0, 1, 1]), ties) == pytest.approx(roc_auc_score([1, 0, 0, 1, 1], ties))
+
+
+def test_collapse_flag_fires_on_a_constant_predictor():
+    y = np.array([0, 1, 2, 3] * 10)
+    const = np.tile(np.array([[0.1, 0.7, 0.1, 0.1]]), (40, 1))
+    s = pm.summary(y, const, 4)
+    assert s["collapsed"] and s["balanced_accuracy"] == pytest.approx(0.25)
+    assert not pm.summary(y, np.eye(4)[y], 4)["collapsed"]
+
+
+def test_bootstrap_resamples_participants():
+    y = np.array([0, 1] * 20)
+    prob = np.eye(2)[y] * 0.8 + 0.1
+    groups = np.repeat(np.arange(20), 2)
+    ci = pm.bootstrap_ci(y, prob, groups, 2, n_boot=200)
+    assert ci["balanced_accuracy_ci95"] == [1.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def signal_run(tmp_path_factory):
+    """A cache with a planted class signal (INL thickness grows with the label) and a
+    checkpoint from a 2-step pretraining run."""
+    root = tmp_path_factory.mktemp("probe")
+    synth.generate(root / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
+                                                  signal=4.0))
+    r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
+                "preprocess.target_shape=[16,64,64]")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
+                *tiny_train_args(root / "cache", root / "runs", name="p", max_steps=2, ckpt_every=2))
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def _cfg(root, **kw):
+    base = {"run": str(root / "runs" / "p"), "epochs": 40, "bootstrap": 200}
+    return config.from_dict(probe.ProbeConfig, {**base, **kw})
+
+
+def _score(res, encoder, head):
+    return next(p["test"]["balanced_accuracy"] for p in res["probes"] if p["encoder"] == encoder and p["head"] == head)
+
+
+def test_planted_signal_is_found_and_features_are_reused(signal_run):
+    out = probe.run(_cfg(signal_run))
+    assert out["features_reused"] == {"pretrained": False, "random_init": False}
+    sg, dia = out["results"]["study_group"], out["results"]["diabetic"]
+    assert _score(sg, "pretrained", "linear") > 0.5 and _score(sg, "pretrained", "attentive") > 0.5  # chance 0.25
+    assert _score(dia, "pretrained", "linear") > 0.75                                               # chance 0.5
+    assert _score(sg, "none", "majority_class") == pytest.approx(0.25)
+    ba = next(p for p in sg["probes"] if p["head"] == "linear")["test"]["balanced_accuracy_ci95"]
+    assert ba[0] > 0.25
+    task_dir = signal_run / "runs" / "p" / "probe" / "study_group"
+    for name in ("metrics.json", "report.md", "confusion.png", "roc.png"):
+        assert (task_dir / name).stat().st_size > 0
+    metrics = json.loads((task_dir / "metrics.json").read_text())
+    test_devices = set(metrics["per_device"]["linear"])
+    assert len(test_devices) >= 2 and test_devices <= {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton",
+                                                       "zeiss_cirrus"}
+    assert metrics["cross_device"] and all(set(row) == test_devices for row in metrics["cross_device"].values())
+    feats = sorted((signal_run / "runs" / "p" / "probe" / "features").glob("*.npz"))
+    mtimes = [f.stat().st_mtime_ns for f in feats]
+    again = probe.run(_cfg(signal_run, cross_device=False))
+    assert again["features_reused"] == {"pretrained": True, "random_init": True}
+    assert [f.stat().st_mtime_ns for f in feats] == mtimes
+
+
+def test_shuffled_labels_stay_at_chance(signal_run):
+    out = probe.run(_cfg(signal_run, shuffle_labels=True, cross_device=False, baselines=False))
+    assert _score(out["results"]["study_group"], "pretrained", "linear") < 0.45
+    assert _score(out["results"]["diabetic"], "pretrained", "linear") < 0.7
+
+
+def test_participant_leak_is_refused(signal_run, tmp_path):
+    df = pd.read_parquet(signal_run / "cache" / "manifest.parquet")
+    pid = df.participant_id.iloc[0]
+    other = {"train": "test", "val": "train", "test": "train"}[df.split.iloc[0]]
+    df.loc[df.index[1:][df.participant_id.iloc[1:] == pid][:1], "split"] = other
+    if (df[df.participant_id == pid].split.nunique()) < 2:  # the participant has a single row: add one
+        extra = df[df.participant_id == pid].iloc[:1].assign(split=other, relpath="x")
+        df = pd.concat([df, extra])
+    (tmp_path / "manifest.parquet").mkdir()
+    df.to_parquet(tmp_path / "manifest.parquet" / "part-0000-of-0001.parquet")
+    with pytest.raises(UsageError, match="more than one split"):
+        probe.labelled_rows(str(tmp_path), 0, False)
