@@ -1,0 +1,89 @@
+"""More bad DICOM inputs through the real worker (a first part of the faults issue)."""
+import copy
+
+import numpy as np
+import pytest
+
+from cache import build, store
+from cache.worker import process_row
+from ingest import synth
+from octfm import config
+
+CFG = config.to_dict(config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [8, 32, 32],
+                                                                           "max_voxels": 10_000_000}}))
+SPEC = synth.DEVICES["topcon_triton"]
+
+
+def dataset(vol=None, **changes):
+    vol = synth.make_volume((8, 40, 32), np.random.default_rng(0), "R") if vol is None else vol
+    ds = synth.make_dataset(vol, SPEC, (0.05, 0.003, 0.02), participant="1", laterality="R", sop_uid="1.2.3.4",
+                            study_uid="1.2.3", series_uid="1.2.3.5")
+    for k, v in changes.items():
+        setattr(ds, k, v)
+    return ds
+
+
+def run(tmp_path, data: bytes, name="x.dcm"):
+    path = tmp_path / name
+    path.write_bytes(data)
+    row = {"relpath": f"retinal_oct/structural_oct/topcon_triton/1/{name}", "source": str(path), "cache_key": "k",
+           "device": "topcon_triton"}
+    return process_row(row, CFG, str(tmp_path / "cache"), "t")
+
+
+def test_zero_bytes(tmp_path):
+    out = run(tmp_path, b"")
+    assert out["status"] == "failed" and out["error"].startswith("not DICOM: empty file")
+
+
+@pytest.mark.parametrize("cut", [0.05, 0.3, 0.9, 0.999])
+def test_truncated_at_several_offsets(tmp_path, cut):
+    data = synth.dicom_bytes(dataset())
+    out = run(tmp_path, data[: int(len(data) * cut)])
+    assert out["status"] == "failed"
+    assert out["error"].split(":")[0] in ("truncated pixel data", "truncated or corrupt header", "not DICOM",
+                                          "no PixelData"), out["error"]
+
+
+def test_rgb_is_refused(tmp_path):
+    vol = np.zeros((2, 8, 8, 3), np.uint8)
+    ds = dataset(synth.make_volume((2, 8, 8), np.random.default_rng(1)))
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
+    ds.PixelData = vol.tobytes()
+    out = run(tmp_path, synth.dicom_bytes(ds))
+    assert out["status"] == "failed" and out["error"].startswith("not monochrome")
+
+
+def test_absurd_dimensions_are_refused_before_decoding(tmp_path):
+    ds = dataset(NumberOfFrames=100000, Rows=4000, Columns=4000)
+    out = run(tmp_path, synth.dicom_bytes(ds))
+    assert out["status"] == "failed" and out["error"].startswith("dimensions too large")
+    assert "preprocess.max_voxels" in out["error"]
+
+
+def test_sixteen_bit_is_cached_like_eight_bit(tmp_path):
+    vol8 = synth.make_volume((8, 40, 32), np.random.default_rng(2), "R")
+    ds16 = dataset(vol8.astype(np.uint16) * 16)
+    ds16.BitsAllocated, ds16.BitsStored, ds16.HighBit = 16, 12, 11
+    ds16.PixelData = (vol8.astype(np.uint16) * 16).tobytes()
+    a = run(tmp_path, synth.dicom_bytes(dataset(vol8)), "a.dcm")
+    b = run(tmp_path, synth.dicom_bytes(ds16), "b.dcm")
+    assert a["status"] == b["status"] == "ok", (a.get("error"), b.get("error"))
+    va, vb = (store.read_volume(str(tmp_path / "cache"), r["volume"]) for r in (a, b))
+    assert b["lo"] == pytest.approx(16 * a["lo"]) and b["hi"] == pytest.approx(16 * a["hi"])
+    assert np.abs(va.astype(int) - vb.astype(int)).max() <= 1
+
+
+def test_missing_spacing_is_cached_with_null_spacing(tmp_path):
+    ds = dataset()
+    del ds.SharedFunctionalGroupsSequence
+    out = run(tmp_path, synth.dicom_bytes(ds))
+    assert out["status"] == "ok" and out["spacing_mm"] is None and out["native_spacing_mm"] is None
+
+
+def test_wrong_modality_photo_is_refused(tmp_path):
+    ds = copy.deepcopy(dataset())
+    ds.SOPClassUID = ds.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.5.1"  # ophthalmic photo
+    ds.Modality = "OP"
+    out = run(tmp_path, synth.dicom_bytes(ds))
+    assert out["status"] == "failed" and out["error"].startswith("wrong SOP class")
