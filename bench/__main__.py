@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    results["machine"] = {"cpus": len(__import__("os").sched_getaffinity(0)), "python": platform.python_version(),
+    results["machine"] = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     for name in a.only or list(SUITES):
         kw = {"xla_python": a.xla_python} if name == "xla" else {}

@@ -97,7 +97,7 @@ def existing_arrays(cache_root: str) -> set[str]:
     fs, base = fsio.filesystem(fsio.join(cache_root, "volumes"))
     if not fs.exists(base):
         return set()
-    prefix = fs._strip_protocol(fsio.join(cache_root, "")).rstrip("/") + "/"
+    prefix = fsio.filesystem(cache_root)[1].rstrip("/") + "/"
     return {p[len(prefix):].removesuffix("/zarr.json") for p in fs.find(base) if p.endswith(".zarr/zarr.json")}
 
 

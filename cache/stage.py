@@ -38,13 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     s = stage(a.cache, a.local, a.transfers, progress=not a.no_progress)
     print(f"stage: {a.cache} -> {a.local}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, {s['seconds']:.1f}s")
-    if not s["ok"]:
-        for sym, path in s["bad"][:20]:
-            print(f"verify: {sym} {path}")
-        print(f"stage: verification FAILED for {len(s['bad'])} file(s)")
-        return cli.EXIT_ERROR
-    print(f"stage: verified {s['files']} files by content hash")
-    return cli.EXIT_OK
+    problems = [f"{sym} {path}" for sym, path in s["bad"]] or ([] if s["ok"] else ["rclone check failed"])
+    return cli.report_verification("stage", problems, f"{s['files']} files by content hash")
 
 
 if __name__ == "__main__":

@@ -104,13 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"mirror: {a.src} -> {a.dst}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB; copied {s['copied']} this run; "
           f"SHA-1 recorded for {s['with_sha1']}, MD5 for {s['with_md5']}; {s['seconds']:.1f}s")
     print(f"mirror: record written to {a.dst.rstrip('/')}/{MIRROR_RECORD}")
-    if s["problems"]:
-        for p in s["problems"][:20]:
-            print(f"verify: {p}")
-        print(f"mirror: verification FAILED for {len(s['problems'])} file(s)")
-        return cli.EXIT_ERROR
-    print(f"mirror: verified {s['files']} files (size{', MD5' if s['with_md5'] else ''})")
-    return cli.EXIT_OK
+    return cli.report_verification("mirror", s["problems"],
+                                   f"{s['files']} files (size{', MD5' if s['with_md5'] else ''})")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ OCT_DIR = "retinal_oct"
 def list_dataset(root: str) -> dict[str, dict]:
     """One recursive listing of <root>/retinal_oct: relpath -> {size, version}."""
     fs, base = fsio.filesystem(root)
-    oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR) if fsio.is_remote(root) else os.path.join(base, OCT_DIR)
+    oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR)
     if not fs.exists(oct_dir):
         return {}
     found = fs.find(oct_dir, detail=True)

@@ -42,6 +42,17 @@ def strict_status(n_failed: int, strict: bool) -> int:
     return EXIT_STRICT if (strict and n_failed) else EXIT_OK
 
 
+def report_verification(cmd: str, problems: list[str], verified: str) -> int:
+    """End-of-command verification summary shared by the copy commands: status 1 on failure."""
+    if problems:
+        for p in problems[:20]:
+            print(f"verify: {p}")
+        print(f"{cmd}: verification FAILED for {len(problems)} file(s)")
+        return EXIT_ERROR
+    print(f"{cmd}: verified {verified}")
+    return EXIT_OK
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain fixed-width text table for end-of-command summaries."""
     cells = [[str(h) for h in header]] + [[("" if v is None else str(v)) for v in r] for r in rows]

@@ -20,8 +20,9 @@ STEP_RE = re.compile(r"step_(\d+)\.pt$")
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
+    version, internal, gauss = random.getstate()
     return {"torch": torch.get_rng_state(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]]}
+            "python": list(internal) + [version, gauss]}
 
 
 def set_rng_state(state: dict) -> None:

@@ -109,6 +109,7 @@ class Trainer:
         self.skipped = torch.zeros((), device=rt.device)
         self.step = 0
         self.consumed = 0  # batches drawn per process: the data position
+        self._val = None   # (val row count, loader), built at the first validation
         self.resumed_from = self._maybe_resume(ckpt)
 
     # ------------------------------------------------------------ checkpoints
@@ -197,14 +198,18 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict | None:
         cfg = self.cfg
-        rows = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
-        if len(rows) < cfg.batch_size * self.rt.world:
+        if self._val is None:  # built once: the rows are read once and the workers persist
+            rows = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
+            if len(rows) < cfg.batch_size * self.rt.world:
+                self._val = (0, None)
+            else:
+                dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1, stop_batch=cfg.val_batches)[1]
+                self._val = (len(rows), dl)
+        n_rows, dl = self._val
+        if dl is None:
             return None
-        if getattr(self, "_val_dl", None) is None:  # built once: its workers persist between validations
-            self._val_dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1,
-                                       stop_batch=cfg.val_batches)[1]
-        it = iter(self.rt.loader(self._val_dl, len(cfg.mask.sets)))
-        n = min(cfg.val_batches, len(rows) // (cfg.batch_size * self.rt.world))
+        it = iter(self.rt.loader(dl, len(cfg.mask.sets)))
+        n = min(cfg.val_batches, n_rows // (cfg.batch_size * self.rt.world))
         total = torch.zeros((), device=self.rt.device)
         for _ in range(n):
             b = self.rt.to_device(next(it))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
 
 from manifests.aireadi import STUDY_GROUPS
 from manifests.splits import split_leaks
@@ -67,12 +68,12 @@ def resolve_checkpoint(cfg: ProbeConfig) -> str:
 def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
     """Cached ok volumes with a label and a split; no participant may sit in two splits."""
     rows = [r for r in data.select_rows(cache, ["train", "val", "test"], None) if r["label"] is not None]
-    leaks = split_leaks(__import__("pandas").DataFrame(rows))
+    leaks = split_leaks(pd.DataFrame(rows))
     if leaks:
         raise cli.UsageError(f"{cache}: participants in more than one split: {leaks[:10]}")
     if shuffle:  # permute labels across participants (keeps each participant's rows together)
         people = sorted({r["participant_id"] for r in rows})
-        labels = {p: next(r["label"] for r in rows if r["participant_id"] == p) for p in people}
+        labels = {r["participant_id"]: r["label"] for r in rows}
         perm = np.random.default_rng(seed).permutation(len(people))
         new = {p: labels[people[j]] for p, j in zip(people, perm)}
         rows = [{**r, "label": new[r["participant_id"]]} for r in rows]
