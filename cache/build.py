@@ -118,7 +118,8 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
             if not (old and old.get("status") == "ok" and old.get("cache_key") == row["cache_key"]):
                 old = store.read_attrs(cache_root, vol)
             if old and old.get("cache_key") == row["cache_key"] and old.get("status") == "ok":
-                done.append({**{k: old.get(k) for k in VOLUME_NAMES}, **row, "reused": True})
+                done.append({**{k: old.get(k) for k in VOLUME_NAMES}, **row, "reused": True,
+                             "sop_instance_uid": row["sop_instance_uid"] or old.get("sop_instance_uid")})
                 continue
         todo.append(row)
     return done, todo
@@ -165,6 +166,16 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
                             retry.append(row)
                 on_row(None)  # a tick, so the driver can flush on time
         pending = retry
+
+
+def fail_duplicate_uids(by_path: dict[str, dict]) -> None:
+    """Headers can reveal duplicates manifest.tsv could not (unlisted files): the first path
+    keeps the image, later ones fail. Their arrays stay on disk, unreferenced, so a re-run
+    reuses them and reaches the same verdict."""
+    for rel, first in manifest_build.duplicate_uids(r for r in by_path.values() if r["status"] == "ok").items():
+        row = by_path[rel]
+        row.update(status="failed", volume=None,
+                   error=f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}")
 
 
 def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> None:
@@ -217,7 +228,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     done, todo = plan(rows, cfg, cache_root, shard)
     reused = sum(1 for r in done if r.pop("reused", False))
     tidy_manifest_dir(cache_root, shard)
-    by_path = {r["relpath"]: r for r in done}
+    by_path = {r["relpath"]: {k: r.get(k) for k in schema.CACHE_SCHEMA.names} for r in done}
     pending = {r["relpath"]: r for r in todo}
     bar = tqdm(total=len(todo), desc="cache", unit="vol", disable=not progress or not todo, file=sys.stderr)
     last_flush = time.monotonic()
@@ -238,6 +249,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
         write_part(by_path, pending, cache_root, shard)
         run_pool(todo, cfg, cache_root, tag, on_row)
     bar.close()
+    fail_duplicate_uids(by_path)
     write_part(by_path, {}, cache_root, shard)
     out = sorted(by_path.values(), key=lambda r: r["relpath"])
     print(summarize(out, reused, time.perf_counter() - t0, cache_root, shard))

@@ -96,8 +96,11 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
             "flipped_axes": flip, "transfer_syntax": vol.transfer_syntax, "bits_stored": vol.bits_stored,
             "decode_s": round(t2 - t1, 4), "preprocess_s": round(t3 - t2, 4),
         })
+        if not row.get("sop_instance_uid"):  # unlisted files: the header's UID, so duplicates show
+            out["sop_instance_uid"] = vol.sop_instance_uid
         out["total_s"] = round(time.perf_counter() - t0, 4)
-        store.write_volume(cache_root, out["volume"], arr, {k: out.get(k) for k in VOLUME_NAMES},
+        attrs = {k: out.get(k) for k in VOLUME_NAMES} | {"sop_instance_uid": vol.sop_instance_uid}
+        store.write_volume(cache_root, out["volume"], arr, attrs,
                            cname=cfg.codec, clevel=cfg.clevel, tag=tag)
     except BadInput as exc:
         out.update(status="failed", error=str(exc), volume=None)

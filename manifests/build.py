@@ -140,6 +140,10 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         row["manifest_error"] = None if device else "unknown device: file not under a known scanner folder"
         rows.append(row)
 
+    by_rel = {r["relpath"]: r for r in rows}
+    for rel, first in duplicate_uids(r for r in rows if not r["manifest_error"]).items():
+        row = by_rel[rel]
+        row["manifest_error"] = f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}"
     if unknown_participants:
         warnings.append(f"{len(unknown_participants)} participant(s) in manifest.tsv are not in participants.tsv: null label")
     leaks = splits.split_leaks(pd.DataFrame(rows))
@@ -154,6 +158,24 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         "warnings": warnings,
     }
     return rows, summary
+
+
+def duplicate_uids(rows) -> dict[str, str]:
+    """relpath -> the relpath that keeps the image, for every later row whose SOP instance UID
+    repeats an earlier one (by path order, so the choice is the same on every run). A repeated
+    UID is the same image stored twice (or a broken export): training on both would weight it
+    double and could put one image in two splits."""
+    first: dict[str, str] = {}
+    dups: dict[str, str] = {}
+    for row in sorted(rows, key=lambda r: r["relpath"]):
+        uid = row.get("sop_instance_uid")
+        if not uid:
+            continue
+        if uid in first:
+            dups[row["relpath"]] = first[uid]
+        else:
+            first[uid] = row["relpath"]
+    return dups
 
 
 def _attach_listing(row: dict, rel: str | None, listing: dict, mirror: dict) -> None:

@@ -1,5 +1,10 @@
 """More bad DICOM inputs through the real worker (a first part of the faults issue)."""
 import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +13,7 @@ from cache import build, store
 from cache.worker import process_row
 from ingest import synth
 from octfm import config
+from conftest import REPO
 
 CFG = config.to_dict(config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [8, 32, 32],
                                                                            "max_voxels": 10_000_000}}))
@@ -87,3 +93,67 @@ def test_wrong_modality_photo_is_refused(tmp_path):
     ds.Modality = "OP"
     out = run(tmp_path, synth.dicom_bytes(ds))
     assert out["status"] == "failed" and out["error"].startswith("wrong SOP class")
+
+
+def _small_tree(tmp_path, participants=4):
+    root = tmp_path / "ds"
+    synth.generate(root, synth.SynthConfig(participants=participants, scale=16, seed=5, bad_files=False))
+    return root
+
+
+def test_duplicate_sop_instance_uid_keeps_the_first_path(tmp_path):
+    import pandas as pd
+
+    from manifests import build as manifest_build
+
+    root = _small_tree(tmp_path)
+    tsv = root / "retinal_oct" / "manifest.tsv"
+    df = pd.read_csv(tsv, sep="\t", dtype=str, keep_default_na=False)
+    first = root / df.filepath[0].lstrip("/")
+    # a listed copy under another name (manifest.tsv reveals it) and an unlisted one (only the header does)
+    listed, unlisted = first.with_name("zz_listed_copy.dcm"), first.with_name("zz_unlisted_copy.dcm")
+    shutil.copy(first, listed)
+    shutil.copy(first, unlisted)
+    extra = df.iloc[[0]].copy()
+    extra["filepath"] = str(listed.relative_to(root))
+    pd.concat([df, extra]).to_csv(tsv, sep="\t", index=False)
+
+    rows = {r["relpath"]: r for r in manifest_build.build_sources(str(root))[0]}
+    keep = df.filepath[0].lstrip("/")
+    assert rows[keep]["manifest_error"] is None
+    assert rows[str(listed.relative_to(root))]["manifest_error"] == \
+        f"duplicate SOP instance UID: {df.sop_instance_uid[0]} is also {keep}"
+    assert rows[str(unlisted.relative_to(root))].get("sop_instance_uid") is None  # not known before the header is read
+
+    cfg = config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [8, 32, 32]}})
+    for attempt in range(2):  # the verdict holds on a re-run that reuses the volumes
+        out = {r["relpath"]: r for r in build.build(str(root), str(tmp_path / "cache"), cfg, progress=False)}
+        assert out[keep]["status"] == "ok"
+        for copy_path in (listed, unlisted):
+            row = out[str(copy_path.relative_to(root))]
+            assert row["status"] == "failed" and row["volume"] is None, (attempt, row["error"])
+            assert row["error"] == f"duplicate SOP instance UID: {df.sop_instance_uid[0]} is also {keep}"
+        assert sum(r["status"] == "ok" for r in out.values()) == len(df)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_unreadable_file_fails_its_row_when_run_unprivileged(tmp_path):
+    """Root ignores file modes, so the build runs without the capabilities that let it
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), reading as an unprivileged user would. Switching
+    to uid 65534 instead would lose the interpreter, which lives under /root here."""
+    import pandas as pd
+
+    root = _small_tree(tmp_path)
+    tsv = pd.read_csv(root / "retinal_oct" / "manifest.tsv", sep="\t", dtype=str)
+    locked_rel = tsv.filepath[1].lstrip("/")
+    (root / locked_rel).chmod(0o000)
+    cache = tmp_path / "cache"
+    r = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m",
+                        "cache.build", "--source", str(root), "--cache", str(cache), "--no-progress", "--strict",
+                        "preprocess.target_shape=[8,32,32]"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr
+    df = pd.read_parquet(cache / "manifest.parquet").set_index("relpath")
+    bad = df.loc[locked_rel]
+    assert bad.status == "failed" and bad.error.startswith("unreadable: permission denied"), bad.error
+    assert (df.drop(index=locked_rel).status == "ok").all()
+    assert "unreadable" in r.stdout  # the summary names the reason
