@@ -6,9 +6,12 @@ loader accepts it and a checkpoint with a pickled object is refused.
 from __future__ import annotations
 
 import io
+import os
+import pickle
 import posixpath
 import random
 import re
+import zipfile
 
 import numpy as np
 import torch
@@ -69,3 +72,33 @@ def latest(ckpt_dir: str) -> str | None:
         return fsio.join(ckpt_dir, f"step_{steps[-1]:07d}.pt")
     uri = fsio.join(ckpt_dir, "latest.pt")
     return uri if fsio.exists(uri) else None
+
+
+def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:
+    """The newest checkpoint that reads back whole, newest step first, then latest.pt.
+
+    A file cut short (a crash mid-copy, a full disk under another writer) is skipped with a
+    warning naming it. A refused pickle is not skipped: that is an error, not wear.
+    """
+    candidates = [fsio.join(ckpt_dir, f"step_{s:07d}.pt") for s in reversed(list_steps(ckpt_dir))]
+    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
+        candidates.append(fsio.join(ckpt_dir, "latest.pt"))
+    for uri in candidates:
+        try:
+            return uri, load(uri, map_location)
+        except pickle.UnpicklingError:
+            raise
+        except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
+            warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
+                 "trying the one before it")
+    return None
+
+
+def remove_stale_temps(ckpt_dir: str) -> int:
+    """Temp files of saves a crash interrupted (local folders; object uploads leave none)."""
+    if fsio.is_remote(ckpt_dir) or not os.path.isdir(ckpt_dir):
+        return 0
+    stale = [n for n in os.listdir(ckpt_dir) if n.startswith(".") and ".pt.tmp-" in n]
+    for n in stale:
+        os.unlink(os.path.join(ckpt_dir, n))
+    return len(stale)

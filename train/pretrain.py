@@ -123,10 +123,16 @@ class Trainer:
         })
 
     def _maybe_resume(self, ckpt: str | None) -> str | None:
-        uri = ckpt or checkpoint.latest(self.ckpt_dir)
-        if not uri:
-            return None
-        st = checkpoint.load(uri)
+        """An explicit CKPT must load; otherwise the run's newest checkpoint that reads whole."""
+        if ckpt:
+            uri, st = ckpt, checkpoint.load(ckpt)
+        else:
+            if self.rt.is_master:
+                checkpoint.remove_stale_temps(self.ckpt_dir)
+            found = checkpoint.load_newest_good(self.ckpt_dir, warn=print if self.rt.is_master else lambda _: None)
+            if found is None:
+                return None
+            uri, st = found
         self.model.load_state_dict(st["model"])
         self.target.load_state_dict(st["target"])
         self.opt.load_state_dict(st["optimizer"])
