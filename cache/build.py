@@ -8,6 +8,7 @@ becomes a failed row; a crashed worker is retried once, then its row fails.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -151,20 +152,28 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
                                  initializer=_init_worker) as pool:
             futures = {pool.submit(process_row, r, cfg_dict, cache_root, tag): r for r in pending}
             remaining = set(futures)
-            while remaining:
-                finished, remaining = wait(remaining, timeout=5, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    row = futures[fut]
-                    try:
-                        on_row({**row, **fut.result()})
-                    except BrokenProcessPool:
-                        attempts[row["relpath"]] += 1
-                        if attempts[row["relpath"]] >= 2:
-                            on_row({**row, "status": "failed", "error": "worker crashed: the process died while "
-                                    "decoding this file twice (out of memory or a decoder crash)"})
-                        else:
-                            retry.append(row)
-                on_row(None)  # a tick, so the driver can flush on time
+            try:
+                while remaining:
+                    finished, remaining = wait(remaining, timeout=5, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        row = futures[fut]
+                        try:
+                            result = fut.result()
+                        except BrokenProcessPool:
+                            attempts[row["relpath"]] += 1
+                            if attempts[row["relpath"]] < 2:
+                                retry.append(row)
+                                continue
+                            result = {"status": "failed", "error": "worker crashed: the process died while "
+                                      "decoding this file twice (out of memory or a decoder crash)"}
+                        on_row({**row, **result})
+                    on_row(None)  # a tick, so the driver can flush on time
+            except cli.JobAborted:
+                pool.shutdown(wait=True, cancel_futures=True)  # rows already running finish; queued ones stay pending
+                for fut in remaining:
+                    if fut.done() and not fut.cancelled() and fut.exception() is None:
+                        on_row({**futures[fut], **fut.result()}, check=False)
+                raise
         pending = retry
 
 
@@ -181,7 +190,39 @@ def fail_duplicate_uids(by_path: dict[str, dict]) -> None:
 def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> None:
     rows = list(rows_by_path.values()) + [{**r, "status": "pending"} for r in pending.values()]
     rows.sort(key=lambda r: r["relpath"])
-    fsio.write_parquet_atomic(schema.to_table(rows, schema.CACHE_SCHEMA), part_uri(cache_root, shard))
+    uri = part_uri(cache_root, shard)
+    try:
+        fsio.write_parquet_atomic(schema.to_table(rows, schema.CACHE_SCHEMA), uri)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise cli.JobAborted(f"disk full: cannot write the manifest part {uri} ({exc.strerror}). The previous "
+                             "part and every finished volume are intact: free space and re-run `make cache`.") from None
+
+
+ENVIRONMENT_ERRORS = ("read error", "disk full")
+
+
+class AbortRule:
+    """Stop a build that can only fail from here on: at the first full disk, or after
+    `limit` consecutive rows whose source could not be read even with retries (the store
+    has gone away). Bad files do not count: they fail one at a time, mixed with good ones."""
+
+    def __init__(self, limit: int, cache_root: str):
+        self.limit, self.cache_root, self.streak = limit, cache_root, 0
+
+    def check(self, row: dict) -> None:
+        reason = (row.get("error") or "").split(":")[0] if row["status"] == "failed" else ""
+        self.streak = self.streak + 1 if reason == "read error" else 0
+        if reason == "disk full":
+            raise cli.JobAborted(f"disk full under {self.cache_root} (while writing {row['relpath']}). Finished "
+                                 "volumes are kept and the manifest lists the rest as pending or failed: free "
+                                 "space and re-run `make cache`; it does only what is left.")
+        if self.limit and self.streak >= self.limit:
+            raise cli.JobAborted(f"{self.streak} sources in a row could not be read even with retries (last: "
+                                 f"{row['source']}: {row['error']}). The object store looks unreachable. Finished "
+                                 "volumes are kept; re-run `make cache` when it is back (config key "
+                                 "abort_after_read_errors sets this limit).")
 
 
 def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
@@ -232,8 +273,9 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     pending = {r["relpath"]: r for r in todo}
     bar = tqdm(total=len(todo), desc="cache", unit="vol", disable=not progress or not todo, file=sys.stderr)
     last_flush = time.monotonic()
+    abort = AbortRule(cfg.abort_after_read_errors, cache_root)
 
-    def on_row(row: dict | None) -> None:
+    def on_row(row: dict | None, check: bool = True) -> None:
         nonlocal last_flush
         if row is not None:
             row = {k: row.get(k) for k in schema.CACHE_SCHEMA.names}
@@ -241,13 +283,22 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
             pending.pop(row["relpath"], None)
             bar.update(1)
             bar.set_postfix(failed=sum(r["status"] == "failed" for r in by_path.values()), refresh=False)
+            if check:
+                abort.check(row)
         if time.monotonic() - last_flush > cfg.flush_every_s:
             write_part(by_path, pending, cache_root, shard)
             last_flush = time.monotonic()
 
     if todo:
         write_part(by_path, pending, cache_root, shard)
-        run_pool(todo, cfg, cache_root, tag, on_row)
+        try:
+            run_pool(todo, cfg, cache_root, tag, on_row)
+        except cli.JobAborted:
+            bar.close()
+            write_part(by_path, pending, cache_root, shard)  # what finished is on record, the rest pending
+            print(summarize(sorted(by_path.values(), key=lambda r: r["relpath"]), reused,
+                            time.perf_counter() - t0, cache_root, shard))
+            raise
     bar.close()
     fail_duplicate_uids(by_path)
     write_part(by_path, {}, cache_root, shard)

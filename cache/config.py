@@ -13,4 +13,5 @@ class CacheConfig:
     codec: str = "zstd"
     clevel: int = 3
     flush_every_s: float = 30.0
-    read_retries: int = 4
+    read_retries: int = 2              # attempts per source read (gcsfs adds its own ~30 s of backoff)
+    abort_after_read_errors: int = 4   # consecutive rows that cannot be read: the store is gone, stop

@@ -5,6 +5,7 @@ torch, once; workers then start in milliseconds.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import time
@@ -104,6 +105,12 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
                            cname=cfg.codec, clevel=cfg.clevel, tag=tag)
     except BadInput as exc:
         out.update(status="failed", error=str(exc), volume=None)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            out.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}", volume=None)
+        else:
+            out.update(status="failed", volume=None,
+                       error=f"disk full: no space left writing under {cache_root} ({exc.strerror})")
     except MemoryError:
         out.update(status="failed", error="out of memory while processing this volume", volume=None)
     except Exception as exc:  # noqa: BLE001 - one bad file never stops the batch

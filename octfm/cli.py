@@ -19,6 +19,11 @@ class UsageError(Exception):
     """A bad argument, config key or input table: the message names the file and the key."""
 
 
+class JobAborted(Exception):
+    """The environment failed under a batch job (store unreachable, disk full): the job stopped
+    early, kept what it finished, and says how to continue. Exit status 1, no traceback."""
+
+
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> None:
     """Run a stage entry and turn its outcome into the documented exit status."""
     try:
@@ -26,6 +31,9 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
+    except JobAborted as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -26,6 +26,25 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
+def assert_same_cache(cache: Path, clean: Path) -> None:
+    """The same manifest (timings and source URIs aside) and the same bytes in every ok volume."""
+    import numpy as np
+    import pandas as pd
+
+    from cache import store
+    from manifests import schema
+
+    def comparable(root: Path):
+        df = pd.read_parquet(root / "manifest.parquet")
+        df = df.drop(columns=[*schema.TIMING_COLUMNS, "source"]).sort_values("relpath").reset_index(drop=True)
+        return df.astype(str)
+
+    ref = comparable(clean)
+    pd.testing.assert_frame_equal(comparable(cache), ref)
+    for vol in ref.volume[ref.status == "ok"]:
+        np.testing.assert_array_equal(store.read_volume(str(cache), vol), store.read_volume(str(clean), vol))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

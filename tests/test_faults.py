@@ -4,13 +4,18 @@ Each test says what was lost; the target is nothing.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, run_cli, tiny_train_args
+from cache import store
+from conftest import REPO, assert_same_cache, run_cli, tiny_train_args
+from ingest import synth
 from train import checkpoint
 
 SMOKE = "configs/pretrain_smoke.yaml"
@@ -56,3 +61,43 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_one_before(tiny_cache, tmp_pa
     assert f"checkpoint {newest} is unreadable" in r.stdout
     assert "resumed from" in r.stdout and "step_0000004.pt" in r.stdout
     assert checkpoint.load(str(ckdir / "latest.pt"))["step"] == 10
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_stops_the_build_cleanly_and_a_rerun_completes(tmp_path, small_tmpfs):
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=6, bad_files=False))
+    args = ["--no-progress", "preprocess.target_shape=[32,128,128]", "workers=1"]
+    clean = tmp_path / "clean"
+    assert run_cli("cache.build", "--source", str(src), "--cache", str(clean), *args).returncode == 0
+    cache = small_tmpfs / "cache"
+    r = run_cli("cache.build", "--source", str(src), "--cache", str(cache), *args)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "error: disk full" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not [p for p in cache.rglob("*") if ".tmp-" in p.name], "a temp array was left on the full disk"
+    # no corrupt cache: whatever the manifest calls ok reads back equal to the clean build
+    part = pd.read_parquet(cache / "manifest.parquet")
+    ok = part[part.status == "ok"]
+    assert 0 < len(ok) < len(part), part.status.value_counts()
+    for vol in ok.volume:
+        np.testing.assert_array_equal(store.read_volume(str(cache), vol), store.read_volume(str(clean), vol))
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    r = run_cli("cache.build", "--source", str(src), "--cache", str(cache), *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{len(ok)} reused" in r.stdout
+    assert_same_cache(cache, clean)
