@@ -241,7 +241,7 @@ def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
             fs.rm(p)
 
 
-def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, shard) -> str:
+def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, shard, pending: int = 0) -> str:
     per_dev: dict = {}
     for r in rows:
         d = per_dev.setdefault(r.get("device") or "unknown", Counter())
@@ -255,8 +255,9 @@ def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, sh
     if reasons:
         lines.append(cli.format_table(["failure reason", "files"], reasons.most_common()))
     new = len(rows) - reused
-    lines.append(f"cache: {len(rows)} rows in shard {shard[0]}/{shard[1]}: {reused} reused, {new} processed in "
-                 f"{seconds:.1f}s; wrote {part_uri(cache_root, shard)}")
+    left = f", {pending} pending (not started; a re-run does them)" if pending else ""
+    lines.append(f"cache: {len(rows) + pending} rows in shard {shard[0]}/{shard[1]}: {reused} reused, {new} processed"
+                 f"{left} in {seconds:.1f}s; wrote {part_uri(cache_root, shard)}")
     return "\n".join(lines)
 
 
@@ -297,7 +298,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
             bar.close()
             write_part(by_path, pending, cache_root, shard)  # what finished is on record, the rest pending
             print(summarize(sorted(by_path.values(), key=lambda r: r["relpath"]), reused,
-                            time.perf_counter() - t0, cache_root, shard))
+                            time.perf_counter() - t0, cache_root, shard, pending=len(pending)))
             raise
     bar.close()
     fail_duplicate_uids(by_path)

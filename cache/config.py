@@ -14,4 +14,5 @@ class CacheConfig:
     clevel: int = 3
     flush_every_s: float = 30.0
     read_retries: int = 2              # attempts per source read (gcsfs adds its own ~30 s of backoff)
+    read_timeout_s: float = 600.0      # one attempt's limit on an object store, the client's retries included
     abort_after_read_errors: int = 4   # consecutive rows that cannot be read: the store is gone, stop

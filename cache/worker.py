@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import time
 
@@ -33,6 +34,8 @@ def _init_worker() -> None:
         os.environ[var] = "1"
     import torch
     torch.set_num_threads(1)
+    # gcsfs logs a traceback for every request that runs out of retries; the row's error says it once
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     try:
         import numcodecs.blosc
         numcodecs.blosc.use_threads = False
@@ -40,12 +43,12 @@ def _init_worker() -> None:
         pass
 
 
-def read_with_retries(uri: str, attempts: int) -> bytes:
-    """Read a source, retrying transient I/O errors with exponential backoff."""
+def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> bytes:
+    """Read a source, retrying transient I/O errors (timeouts included) with exponential backoff."""
     delay = 0.5
     for attempt in range(1, attempts + 1):
         try:
-            return fsio.read_bytes(uri)
+            return fsio.read_bytes(uri, timeout)
         except (FileNotFoundError, PermissionError, IsADirectoryError):
             raise
         except OSError:
@@ -63,13 +66,14 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
     out = {"status": "failed", "volume": None, "cache_key": row["cache_key"], "code_version": prep.CODE_VERSION}
     try:
         try:
-            data = read_with_retries(row["source"], cfg.read_retries)
+            data = read_with_retries(row["source"], cfg.read_retries, cfg.read_timeout_s)
         except FileNotFoundError:
             raise BadInput("missing: the file disappeared after the listing") from None
         except PermissionError as exc:
             raise BadInput(f"unreadable: permission denied ({exc.strerror or exc})") from None
         except OSError as exc:
-            raise BadInput(f"read error after {cfg.read_retries} attempts: {type(exc).__name__}: {exc}") from None
+            detail = str(exc) or f"no answer within read_timeout_s={cfg.read_timeout_s:g}"
+            raise BadInput(f"read error: {type(exc).__name__}: {detail} (after {cfg.read_retries} attempts)") from None
         if row.get("size") is not None and len(data) != row["size"]:
             raise BadInput(f"size mismatch: read {len(data)} bytes, the listing said {row['size']}")
         out["sha1"] = hashlib.sha1(data).hexdigest()

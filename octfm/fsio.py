@@ -76,8 +76,13 @@ def safe_relpath(rel: str, required_prefix: str | None = None) -> str:
     return norm
 
 
-def read_bytes(uri: str) -> bytes:
+def read_bytes(uri: str, timeout: float | None = None) -> bytes:
+    """The whole object. `timeout` (seconds, object stores only) bounds the call including the
+    client's own retries, which otherwise wait minutes on a store that has gone away; it
+    raises a TimeoutError (an OSError)."""
     fs, path = filesystem(uri)
+    if timeout and getattr(fs, "async_impl", False):
+        return fs.cat_file(path, timeout=timeout)
     return fs.cat_file(path)
 
 

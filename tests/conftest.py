@@ -45,16 +45,24 @@ def assert_same_cache(cache: Path, clean: Path) -> None:
         np.testing.assert_array_equal(store.read_volume(str(cache), vol), store.read_volume(str(clean), vol))
 
 
+def finished_volumes(cache: Path) -> int:
+    """Arrays renamed into place so far (temp dirs come and go while we look)."""
+    n = 0
+    for _, dirs, _ in os.walk(cache / "volumes"):
+        n += sum(d.endswith(".zarr") and not d.startswith(".") for d in dirs)
+    return n
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
+def start_server(cmd: list[str], port: int, log: Path, cwd: Path | None = None) -> subprocess.Popen:
     """Start a server whose output goes to a file (a pipe nobody reads would fill and block it)."""
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
     deadline = time.time() + 60
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -94,6 +102,37 @@ def gcs_emulator(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+class RestartableGCS:
+    """A GCS emulator that keeps its objects on disk, so a test can stop it (the store goes
+    away mid-run) and start it again on the same port with the data still there."""
+
+    def __init__(self, workdir: Path):
+        self.workdir, self.port = workdir, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = start_server([str(BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port",
+                                  str(self.port)], self.port, self.workdir / "emulator.log", cwd=self.workdir)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def restartable_gcs(tmp_path, monkeypatch):
+    emu = RestartableGCS(tmp_path / "gcs_store")
+    emu.workdir.mkdir()
+    emu.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.url)
+    try:
+        yield emu
+    finally:
+        emu.stop()
 
 
 @pytest.fixture(scope="session")

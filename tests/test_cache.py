@@ -11,7 +11,7 @@ import pytest
 from pydicom.data import get_testdata_file
 
 from cache import build, store
-from conftest import REPO, SMALL, assert_same_cache, run_cli
+from conftest import REPO, SMALL, assert_same_cache, finished_volumes, run_cli
 from ingest import preprocess as prep
 from ingest import synth
 from manifests import schema
@@ -120,14 +120,6 @@ def test_spectralis_octa_is_flipped_to_common_orientation(tmp_path):
     np.testing.assert_array_equal(outs["OCT"][1], outs["OCTA"][1])
 
 
-def _finished_volumes(cache) -> int:
-    """Arrays renamed into place so far (temp dirs come and go while we look)."""
-    n = 0
-    for _, dirs, _ in os.walk(cache / "volumes"):
-        n += sum(d.endswith(".zarr") and not d.startswith(".") for d in dirs)
-    return n
-
-
 def test_killed_build_resumes_to_the_same_result(tmp_path):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=16, scale=4, seed=2))
@@ -142,7 +134,7 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
-            done = _finished_volumes(cache)
+            done = finished_volumes(cache)
             if done >= wait_for:
                 break
             time.sleep(0.05)

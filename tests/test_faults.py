@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from cache import store
-from conftest import REPO, assert_same_cache, run_cli, tiny_train_args
+from conftest import REPO, assert_same_cache, finished_volumes, gcs_bucket, run_cli, tiny_train_args
 from ingest import synth
 from train import checkpoint
 
@@ -101,3 +102,61 @@ def test_full_disk_stops_the_build_cleanly_and_a_rerun_completes(tmp_path, small
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"{len(ok)} reused" in r.stdout
     assert_same_cache(cache, clean)
+
+
+def _upload(fs, root: Path, prefix: str) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            fs.pipe_file(f"{prefix}/{p.relative_to(root).as_posix()}", p.read_bytes())
+
+
+def test_object_store_going_away_mid_build_stops_cleanly_and_loses_nothing(tmp_path, restartable_gcs):
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=7, bad_files=False))
+    _upload(gcs_bucket("faults"), src, "faults/ds")
+    args = ["--source", "gs://faults/ds", "--no-progress", "preprocess.target_shape=[32,128,128]", "workers=1",
+            "read_retries=1", "read_timeout_s=5", "abort_after_read_errors=1"]
+    clean, cache = tmp_path / "clean", tmp_path / "cache"
+    assert run_cli("cache.build", "--cache", str(clean), *args).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--cache", str(cache), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and finished_volumes(cache) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the build finished before the store could go away"
+    restartable_gcs.stop()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out + err
+    assert "object store looks unreachable" in err and "Traceback" not in err, err[-3000:]
+    assert "pending (not started" in out
+    part = pd.read_parquet(cache / "manifest.parquet")
+    ok = part[part.status == "ok"]
+    assert len(ok) >= 3 and set(part.status) >= {"ok", "pending"}, part.status.value_counts()
+    for vol in ok.volume:
+        np.testing.assert_array_equal(store.read_volume(str(cache), vol), store.read_volume(str(clean), vol))
+
+    restartable_gcs.start()
+    r = run_cli("cache.build", "--cache", str(cache), *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{len(ok)} reused" in r.stdout
+    assert_same_cache(cache, clean)
+
+
+def test_mirror_fails_clearly_when_the_store_is_away_then_copies_only_the_rest(tmp_path, restartable_gcs):
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=4, scale=16, seed=8, bad_files=False))
+    gcs_bucket("mirror")
+    quick = ["--no-progress", "--retries", "2", "--low-level-retries", "2", "--retries-sleep", "1s"]
+    mirror = ["--src", str(src), "--dst", "gs://mirror/ds", *quick]
+    assert run_cli("ingest.mirror", *mirror).returncode == 0
+    for i in range(3):  # new files arrive in the source
+        (src / "retinal_oct" / f"extra_{i}.txt").write_text(f"new {i}")
+    restartable_gcs.stop()
+    r = run_cli("ingest.mirror", *mirror, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "failed after 2 passes" in r.stderr and "re-run `make mirror`" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    restartable_gcs.start()
+    r = run_cli("ingest.mirror", *mirror)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "copied 3 this run" in r.stdout, r.stdout
