@@ -135,6 +135,36 @@ def restartable_gcs(tmp_path, monkeypatch):
         emu.stop()
 
 
+def s3_env(endpoint: str, key_id: str = "testing", secret: str = "testing") -> dict:
+    """rclone's remote `b2:` on the S3 server, defined in the environment as a user would."""
+    env = {
+        "RCLONE_CONFIG_B2_TYPE": "s3", "RCLONE_CONFIG_B2_PROVIDER": "Other",
+        "RCLONE_CONFIG_B2_ENDPOINT": endpoint, "RCLONE_CONFIG_B2_ACCESS_KEY_ID": key_id,
+        "RCLONE_CONFIG_B2_SECRET_ACCESS_KEY": secret, "RCLONE_CONFIG_B2_REGION": "us-east-1",
+    }
+    return env
+
+
+@pytest.fixture
+def no_ca_bundle(monkeypatch):
+    # This machine sets AWS_CA_BUNDLE; rclone's s3 backend then fails on plain-http endpoints.
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+
+
+def upload_tree(endpoint: str, bucket: str, root) -> int:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    n = 0
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), bucket, f"dataset/{p.relative_to(root).as_posix()}")
+            n += 1
+    return n
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 (B2 speaks S3); yields its endpoint URL."""

@@ -1,40 +1,11 @@
 """Real servers on loopback: rclone from an S3 server (moto, as B2 speaks S3) to a GCS
 emulator; the cache built from gs:// sources into a gs:// cache; staging with rclone."""
 
-import boto3
 import numpy as np
 import pandas as pd
-import pytest
 
 from cache import store
-from conftest import SMALL, gcs_bucket, run_cli
-
-
-def s3_env(endpoint: str) -> dict:
-    env = {
-        "RCLONE_CONFIG_B2_TYPE": "s3", "RCLONE_CONFIG_B2_PROVIDER": "Other",
-        "RCLONE_CONFIG_B2_ENDPOINT": endpoint, "RCLONE_CONFIG_B2_ACCESS_KEY_ID": "testing",
-        "RCLONE_CONFIG_B2_SECRET_ACCESS_KEY": "testing", "RCLONE_CONFIG_B2_REGION": "us-east-1",
-    }
-    return env
-
-
-@pytest.fixture
-def no_ca_bundle(monkeypatch):
-    # This machine sets AWS_CA_BUNDLE; rclone's s3 backend then fails on plain-http endpoints.
-    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
-
-
-def upload_tree(endpoint: str, bucket: str, root) -> int:
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                      region_name="us-east-1")
-    s3.create_bucket(Bucket=bucket)
-    n = 0
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            s3.upload_file(str(p), bucket, f"dataset/{p.relative_to(root).as_posix()}")
-            n += 1
-    return n
+from conftest import SMALL, gcs_bucket, run_cli, s3_env, upload_tree
 
 
 def test_mirror_s3_to_gcs_then_cache_from_gs(synth_tree, s3_server, gcs_emulator, tmp_path, no_ca_bundle):
