@@ -127,5 +127,14 @@ def test_the_choice_follows_val_never_test(run_a, tmp_path):
     best = json.loads((b / "best_checkpoint.json").read_text())["tasks"]
     assert all(best[task]["step"] == last and best[task]["test_balanced_accuracy"] == low for task in TASKS)
 
+    (b / "checkpoints" / f"step_{last:07d}.pt").unlink()     # pruned: stays on the board, cannot be chosen
+    out = leaderboard.run([str(b)], fast_cfg(), progress=False)
+    assert out["probed"] == [] and sorted(out["table"]["step"].unique()) == steps
+    assert not out["table"].loc[out["table"]["step"] == last, "ckpt_exists"].any()
+    best = json.loads((b / "best_checkpoint.json").read_text())["tasks"]
+    assert all(best[task]["step"] == first for task in TASKS)  # the others tie on val: the earliest wins
+    assert "(pruned)" in (b / "leaderboard.md").read_text()
+
     other = config.load(ProbeConfig, "configs/probe.yaml", [*leaderboard.DEFAULTS, *FAST, "epochs=6"])
-    assert len(leaderboard.run([str(b)], other, progress=False)["probed"]) == len(steps)  # new settings: all again
+    out = leaderboard.run([str(b)], other, progress=False)   # new settings: every checkpoint on disk again
+    assert [s for _, s in out["probed"]] == steps[:-1] and last not in set(out["table"]["step"])
