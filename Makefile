@@ -1,5 +1,5 @@
 # octfm: every stage is a make target. Variables (see README): SRC DST SOURCE CACHE LOCAL
-# CONFIG ARGS CKPT RUN SHARD STRICT. `make demo` and `make test` set everything up themselves.
+# CONFIG ARGS CKPT RUN RUNS SHARD STRICT. `make demo` and `make test` set everything up themselves.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -18,12 +18,15 @@ ARGS   ?=
 SHARD  ?=
 STRICT ?= 0
 CKPT   ?=
+RUN    ?=
+RUNS   ?=
 NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
 shard_flag  = $(if $(SHARD),--shard $(SHARD))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
+run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
 # one process, or torchrun with NPROC processes (DDP: gloo on CPU, nccl on CUDA); XLA runs one process per host
 launch      = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --nproc_per_node $(NPROC),$(PY))
 
@@ -33,7 +36,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain probe clean-demo
+.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain probe leaderboard clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -46,6 +49,7 @@ help:
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
+	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
 
 venv: $(STAMP)
 
@@ -94,6 +98,9 @@ stage: $(STAMP)
 
 probe: $(STAMP)
 	$(PY) -m train.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
+
+leaderboard: $(STAMP)
+	$(PY) -m train.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

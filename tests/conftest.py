@@ -204,6 +204,19 @@ def tiny_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session")
+def signal_cache(tmp_path_factory) -> Path:
+    """A cache with a planted class signal (INL thickness grows with the label), 60
+    participants, built by the real `cache.build` command; shared by the probe tests."""
+    root = tmp_path_factory.mktemp("signal")
+    synth.generate(root / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
+                                                  signal=4.0))
+    r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
+                "preprocess.target_shape=[16,64,64]")
+    assert r.returncode == 0, r.stderr
+    return root / "cache"
+
+
 def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[str]:
     """Overrides for configs/pretrain_smoke.yaml that make a seconds-long CPU run."""
     args = {

@@ -6,7 +6,6 @@ import pytest
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
 from conftest import run_cli, tiny_train_args
-from ingest import synth
 from octfm import config
 from octfm.cli import UsageError
 from train import probe
@@ -45,17 +44,11 @@ def test_bootstrap_resamples_participants():
 
 
 @pytest.fixture(scope="module")
-def signal_run(tmp_path_factory):
-    """A cache with a planted class signal (INL thickness grows with the label) and a
-    checkpoint from a 2-step pretraining run."""
+def signal_run(signal_cache, tmp_path_factory):
+    """A checkpoint from a 2-step pretraining run on the planted-signal cache."""
     root = tmp_path_factory.mktemp("probe")
-    synth.generate(root / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
-                                                  signal=4.0))
-    r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
-                "preprocess.target_shape=[16,64,64]")
-    assert r.returncode == 0, r.stderr
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
-                *tiny_train_args(root / "cache", root / "runs", name="p", max_steps=2, ckpt_every=2))
+                *tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
     assert r.returncode == 0, r.stderr
     return root
 
@@ -99,8 +92,8 @@ def test_shuffled_labels_stay_at_chance(signal_run):
     assert _score(out["results"]["diabetic"], "pretrained", "linear") < 0.7
 
 
-def test_participant_leak_is_refused(signal_run, tmp_path):
-    df = pd.read_parquet(signal_run / "cache" / "manifest.parquet")
+def test_participant_leak_is_refused(signal_cache, tmp_path):
+    df = pd.read_parquet(signal_cache / "manifest.parquet")
     pid = df.participant_id.iloc[0]
     other = {"train": "test", "val": "train", "test": "train"}[df.split.iloc[0]]
     df.loc[df.index[1:][df.participant_id.iloc[1:] == pid][:1], "split"] = other

@@ -34,6 +34,19 @@ def feature_std(features: torch.Tensor) -> float:
     return float(f.std(dim=0).mean())
 
 
+def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """metrics.jsonl as ({step: train record}, {step: val record}); a resumed run rewrites
+    steps, so the last record of a step wins. Empty when the file is missing."""
+    path = Path(run_dir) / "metrics.jsonl"
+    train, val = {}, {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                (val if r.get("split") == "val" else train)[r["step"]] = r
+    return train, val
+
+
 class MetricsLog:
     """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/ and val/ when enabled."""
 

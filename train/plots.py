@@ -1,26 +1,21 @@
 """Training curves from metrics.jsonl as one PNG (loss, LR, grad norm, collapse monitors)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from train.metrics import read_metrics
 
 
 def plot_metrics(run_dir: str | Path) -> Path | None:
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    train, val = read_metrics(run_dir)
+    if not train:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, val = {}, {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        (val if r.get("split") == "val" else train)[r["step"]] = r  # a resumed run rewrites steps: keep the last
-    if not train:
-        return None
     steps = sorted(train)
     panels = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
               ("rankme", "RankMe of targets"), ("target_std", "target feature std"), ("data_wait_frac", "data wait")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from manifests.aireadi import STUDY_GROUPS
 from manifests.splits import split_leaks
@@ -54,14 +56,22 @@ class ProbeConfig:
     seed: int = 0
 
 
+def run_checkpoint_dir(run: str) -> str:
+    """Where a run keeps its checkpoints: its config's `ckpt_dir` (e.g. gs://), else <run>/checkpoints."""
+    cfg_path = Path(run) / "config.yaml"
+    ckpt_dir = yaml.safe_load(cfg_path.read_text()).get("ckpt_dir") if cfg_path.exists() else None
+    return ckpt_dir or fsio.join(run, "checkpoints")
+
+
 def resolve_checkpoint(cfg: ProbeConfig) -> str:
     if cfg.ckpt:
         return cfg.ckpt
     if cfg.run:
-        uri = checkpoint.latest(fsio.join(cfg.run, "checkpoints"))
+        ckpt_dir = run_checkpoint_dir(cfg.run)
+        uri = checkpoint.latest(ckpt_dir)
         if uri:
             return uri
-        raise cli.UsageError(f"run: no checkpoint under {cfg.run}/checkpoints")
+        raise cli.UsageError(f"run: no checkpoint under {ckpt_dir}")
     raise cli.UsageError("probe config: set `run` (a pretraining run folder) or `ckpt` (or CKPT=...)")
 
 
@@ -80,6 +90,18 @@ def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
     return rows
 
 
+def rows_fingerprint(rows: list[dict]) -> str:
+    """What the probe results depend on in the cache: volumes, labels, splits, participants, devices."""
+    blob = [(r["relpath"], r["cache_key"], r["label"], r["split"], r["participant_id"], r["device"]) for r in rows]
+    return hashlib.sha256(json.dumps(blob, default=str).encode()).hexdigest()[:20]
+
+
+def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
+    """The order heads and checkpoints are chosen by: val balanced accuracy, then val AUROC
+    (an undefined score ranks last). Only val scores ever reach it."""
+    return float(np.nan_to_num(balanced_accuracy, nan=-1)), float(np.nan_to_num(auroc, nan=-1))
+
+
 def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None):
     """Train the lr x wd grid on train, pick the best head on val balanced accuracy."""
     grid = [(lr, wd) for lr in cfg.lrs for wd in cfg.weight_decays]
@@ -91,7 +113,7 @@ def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=
     probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
     scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
               for h in range(len(grid))]
-    best = max(range(len(grid)), key=lambda h: (np.nan_to_num(scores[h][0], nan=-1), np.nan_to_num(scores[h][1], nan=-1)))
+    best = max(range(len(grid)), key=lambda h: val_rank(*scores[h]))
     return {"lr": grid[best][0], "weight_decay": grid[best][1], "val_balanced_accuracy": scores[best][0],
             "val_auroc": scores[best][1]}, probs[best]
 
@@ -102,7 +124,9 @@ def evaluate(prob, y, groups, mask, classes, cfg) -> dict:
     return out
 
 
-def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path) -> dict:
+def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path | None) -> dict:
+    """Every head on every encoder for one task, chosen on val and evaluated on val and test
+    (overall and per test device); writes the task's report when out_dir is given."""
     spec = TASKS[task]
     k = spec["classes"]
     y = np.array([spec["map"](r["label"]) for r in rows])
@@ -117,19 +141,21 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     for enc_name, feats in feats_by_encoder.items():
         for kind in cfg.heads:
             chosen, prob = fit_and_select(kind, cfg, feats, y, split, k)
-            res = {"encoder": enc_name, "head": kind, **chosen, "test": evaluate(prob, y, groups, test, k, cfg)}
+            res = {"encoder": enc_name, "head": kind, **chosen, "val": evaluate(prob, y, groups, split == "val", k, cfg),
+                   "test": evaluate(prob, y, groups, test, k, cfg)}
             result["probes"].append(res)
             if enc_name == "pretrained" and kind == cfg.heads[0]:
                 best_prob = prob
             if cfg.per_device and enc_name == "pretrained":
-                result["per_device"][kind] = {d: pm.summary(y[test & (devices == d)], prob[test & (devices == d)], k)
+                result["per_device"][kind] = {d: evaluate(prob, y, groups, test & (devices == d), k, cfg)
                                               for d in sorted(set(devices[test]))}
     majority = np.bincount(y[split == "train"], minlength=k).argmax()
     mprob = np.eye(k)[np.full(len(y), majority)]
     result["probes"].append({"encoder": "none", "head": "majority_class", "test": evaluate(mprob, y, groups, test, k, cfg)})
     if cfg.cross_device and "pretrained" in feats_by_encoder:
         result["cross_device"] = cross_device(cfg, feats_by_encoder["pretrained"], y, split, devices, k)
-    write_report(result, out_dir, y[test], best_prob[test] if best_prob is not None else None)
+    if out_dir is not None:
+        write_report(result, out_dir, y[test], best_prob[test] if best_prob is not None else None)
     return result
 
 
@@ -172,7 +198,8 @@ def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
                      f"{'YES' if t['collapsed'] else 'no'} |")
     for kind, per in result["per_device"].items():
         lines += ["", f"Per device (pretrained, {kind}, test):", "", "| device | n | bal. acc | AUROC |", "|---|---|---|---|"]
-        lines += [f"| {d} | {m['n']} | {_fmt(m['balanced_accuracy'])} | {_fmt(m['auroc_macro_ovr'])} |" for d, m in per.items()]
+        lines += [f"| {d} | {m['n']} | {_fmt(m['balanced_accuracy'], m.get('balanced_accuracy_ci95'))} | "
+                  f"{_fmt(m['auroc_macro_ovr'], m.get('auroc_macro_ovr_ci95'))} |" for d, m in per.items()]
     if result["cross_device"]:
         dsts = sorted({d for row in result["cross_device"].values() for d in row})
         lines += ["", "Cross-device transfer (linear, balanced accuracy; rows: trained on, columns: tested on):", "",
@@ -224,15 +251,22 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     plt.close(fig)
 
 
-def run(cfg: ProbeConfig) -> dict:
-    ckpt = resolve_checkpoint(cfg)
+def check_tasks(cfg: ProbeConfig) -> None:
+    unknown = [t for t in cfg.tasks if t not in TASKS]
+    if unknown:
+        raise cli.UsageError(f"tasks: unknown task {unknown[0]!r} (known: {', '.join(TASKS)})")
+
+
+def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True) -> dict:
+    """All tasks' probes for one checkpoint, from features extracted once (kept under
+    <probe_dir>/features). The unit `make probe` and `make leaderboard` share."""
+    check_tasks(cfg)
     enc, tcfg, ident = features.load_encoder(ckpt)
     cache = cfg.cache or tcfg.data.cache
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
-    run_dir = Path(cfg.run) if cfg.run else Path(tcfg.runs_dir) / tcfg.name
-    probe_dir = run_dir / "probe"
+    probe_dir = Path(probe_dir) if probe_dir else Path(tcfg.runs_dir) / tcfg.name / "probe"
     encoders = {"pretrained": (enc, ident)}
     if cfg.baselines:
         r_enc, _, r_ident = features.load_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
@@ -245,12 +279,16 @@ def run(cfg: ProbeConfig) -> dict:
             lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch))
     results = {}
     for task in cfg.tasks:
-        if task not in TASKS:
-            raise cli.UsageError(f"tasks: unknown task {task!r} (known: {', '.join(TASKS)})")
         suffix = "_shuffled" if cfg.shuffle_labels else ""
-        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}")
-    return {"ckpt": ckpt, "cache": cache, "rows": len(rows), "features_reused": reused, "results": results,
+        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}" if reports else None)
+    return {"ckpt": ckpt, "step": ident["step"], "cache": cache, "rows": len(rows),
+            "rows_fingerprint": rows_fingerprint(rows), "features_reused": reused, "results": results,
             "probe_dir": str(probe_dir)}
+
+
+def run(cfg: ProbeConfig) -> dict:
+    ckpt = resolve_checkpoint(cfg)
+    return probe_checkpoint(cfg, ckpt, Path(cfg.run) / "probe" if cfg.run else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,340 @@
+"""`make leaderboard RUN=runs/a [RUNS="runs/b ..."]`: probe every saved checkpoint and rank them.
+
+The self-supervised loss says little about representation quality, so checkpoints are
+chosen by downstream score. Every step_<N>.pt of each run (latest.pt is a copy of the newest
+and is skipped) goes through the same per-checkpoint probe as `make probe`, features
+extracted once per checkpoint and kept. Each checkpoint's result is stored as
+<run>/probe/leaderboard/step_<N>.json with the checkpoint's identity (name, size, modification
+time), the probe settings and a fingerprint of the labelled cache rows: a re-run probes only
+new or changed checkpoints. The table has one row per run, checkpoint and task (the head
+chosen on val); per run and task the best checkpoint is chosen on val only, reported on test
+and recorded in <run>/best_checkpoint.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import posixpath
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import pyarrow as pa
+from tqdm import tqdm
+
+from octfm import cli, config, fsio
+from train import checkpoint, probe
+from train.metrics import read_metrics
+from train.probe import ProbeConfig
+
+LEADERBOARD_VERSION = "1"
+# Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
+# time by the number of scanners: off unless ARGS turns them back on (`make probe` has both).
+DEFAULTS = ["baselines=false", "cross_device=false"]
+# ProbeConfig keys that do not change a checkpoint's result (where it comes from, where it runs).
+NOT_IN_KEY = ("run", "ckpt", "device", "extract_batch")
+METRICS = (("balanced_accuracy", "balanced_accuracy"), ("auroc", "auroc_macro_ovr"))
+VAL_COLUMNS = ["val_balanced_accuracy", "val_auroc"]
+
+
+def result_settings(cfg: ProbeConfig) -> dict:
+    """The probe settings a checkpoint's result depends on."""
+    return {k: v for k, v in config.to_dict(cfg).items() if k not in NOT_IN_KEY}
+
+
+def settings_key(cfg: ProbeConfig) -> str:
+    blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ckpt_identity(uri: str) -> dict:
+    """Name, size and modification time: a checkpoint rewritten at the same step (a resumed
+    run) is probed again; a run folder moved or copied with its times is not."""
+    fs, path = fsio.filesystem(uri)
+    info = fs.info(path)
+    modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
+    return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
+
+
+def stored_path(run: str, step: int) -> Path:
+    return Path(run) / "probe" / "leaderboard" / f"step_{step:07d}.json"
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Board:
+    """Stored results of one or more runs; decides which checkpoints still need a probe."""
+
+    def __init__(self, cfg: ProbeConfig):
+        self.cfg, self.key = cfg, settings_key(cfg)
+        self._fingerprints: dict[str, str] = {}
+
+    def fingerprint(self, cache: str) -> str:
+        if cache not in self._fingerprints:
+            rows = probe.labelled_rows(cache, self.cfg.seed, self.cfg.shuffle_labels)
+            self._fingerprints[cache] = probe.rows_fingerprint(rows)
+        return self._fingerprints[cache]
+
+    def fresh(self, rec: dict | None, ident: dict | None) -> bool:
+        """A stored result still holds: same settings, same checkpoint file, same cache rows."""
+        if not rec or rec.get("settings_key") != self.key:
+            return False
+        if ident is not None and rec.get("ckpt_identity") != ident:
+            return False
+        res = rec["result"]
+        return self.fingerprint(res["cache"]) == res["rows_fingerprint"]
+
+    def plan(self, run: str) -> tuple[dict[int, dict], list[tuple[int, str, dict]]]:
+        """(stored results that hold, by step; checkpoints to probe as (step, uri, identity))."""
+        ckpt_dir = probe.run_checkpoint_dir(run)
+        steps = checkpoint.list_steps(ckpt_dir)
+        done, todo = {}, []
+        for step in steps:
+            uri = fsio.join(ckpt_dir, f"step_{step:07d}.pt")
+            ident = ckpt_identity(uri)
+            rec = _load_json(stored_path(run, step))
+            if self.fresh(rec, ident):
+                done[step] = {**rec, "ckpt": uri, "ckpt_exists": True}
+            else:
+                todo.append((step, uri, ident))
+        # a pruned checkpoint (keep_last) keeps its place on the board, but cannot be chosen
+        for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json")):
+            rec = _load_json(path)
+            if rec and rec.get("step") not in steps and self.fresh(rec, None):
+                done[rec["step"]] = {**rec, "ckpt_exists": False}
+        return done, todo
+
+    def probe(self, run: str, step: int, uri: str, ident: dict) -> dict:
+        res = probe.probe_checkpoint(self.cfg, uri, Path(run) / "probe", reports=False)
+        self._fingerprints.setdefault(res["cache"], res["rows_fingerprint"])
+        rec = {"step": step, "ckpt": uri, "ckpt_identity": ident, "settings_key": self.key,
+               "settings": result_settings(self.cfg), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": res}
+        fsio.atomic_write_bytes(str(stored_path(run, step)), json.dumps(rec, indent=1, default=float).encode())
+        return {**rec, "ckpt_exists": True}
+
+
+def _scores(prefix: str, m: dict, suffix: str = "") -> dict:
+    out = {}
+    for name, key in METRICS:
+        lo, hi = m.get(f"{key}_ci95") or (None, None)
+        out.update({f"{prefix}_{name}{suffix}": m[key], f"{prefix}_{name}_ci95_lo{suffix}": lo,
+                    f"{prefix}_{name}_ci95_hi{suffix}": hi})
+    return out
+
+
+def _at_step(records: dict[int, dict], step: int, exact: bool = False) -> dict:
+    """The metrics record logged at `step`, else (unless exact) the last one before it."""
+    if step in records:
+        return records[step]
+    before = [s for s in records if s <= step]
+    return records[max(before)] if before and not exact else {}
+
+
+def table_rows(run: str, records: list[dict]) -> list[dict]:
+    """One row per checkpoint and task: the pretrained encoder's head chosen on val, its val
+    and test scores with intervals, per test device, and the pretraining metrics at that step."""
+    train_m, val_m = read_metrics(run)
+    rows = []
+    for rec in records:
+        tr, va = _at_step(train_m, rec["step"]), _at_step(val_m, rec["step"], exact=True)
+        for task, res in rec["result"]["results"].items():
+            heads = [p for p in res["probes"] if p["encoder"] == "pretrained"]
+            p = max(heads, key=lambda h: probe.val_rank(h["val"]["balanced_accuracy"], h["val"]["auroc_macro_ovr"]))
+            row = {"run": str(run), "run_name": Path(run).name, "step": rec["step"], "task": task,
+                   "ckpt": rec["ckpt"], "ckpt_exists": rec["ckpt_exists"], "head": p["head"], "lr": p["lr"],
+                   "weight_decay": p["weight_decay"], "n_val": p["val"]["n"], "n_test": p["test"]["n"],
+                   **_scores("val", p["val"]), **_scores("test", p["test"]), "test_collapsed": p["test"]["collapsed"],
+                   "pretrain_logged_step": tr.get("step"), "pretrain_loss": tr.get("loss"),
+                   "pretrain_rankme": tr.get("rankme"), "pretrain_target_std": tr.get("target_std"),
+                   "pretrain_val_loss": va.get("loss")}
+            for device, m in res["per_device"].get(p["head"], {}).items():
+                row.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
+            rows.append(row)
+    return rows
+
+
+def select_best(table: pd.DataFrame) -> pd.DataFrame:
+    """Per run and task, the checkpoint still on disk with the best val balanced accuracy
+    (ties: val AUROC, then the earliest step). Only val columns reach the ranking."""
+    view = table.loc[table["ckpt_exists"], ["run", "task", "step", *VAL_COLUMNS]]
+    ranks = pd.DataFrame([probe.val_rank(ba, au) for ba, au in zip(view[VAL_COLUMNS[0]], view[VAL_COLUMNS[1]])],
+                         index=view.index, columns=["_ba", "_au"])
+    order = view.join(ranks).sort_values(["_ba", "_au", "step"], ascending=[False, False, True], kind="stable")
+    return table.loc[order.groupby(["run", "task"], sort=False).head(1).index]
+
+
+def _num(v) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
+    tasks = {}
+    for _, r in best[best["run"] == str(run)].iterrows():
+        tasks[r["task"]] = {"step": int(r["step"]), "ckpt": r["ckpt"], "head": r["head"], "lr": r["lr"],
+                            "weight_decay": r["weight_decay"],
+                            **{c: _num(r[c]) for c in r.index if c.startswith(("val_", "test_")) and "@" not in c
+                               and c != "test_collapsed"},
+                            "pretrain_loss": _num(r["pretrain_loss"]), "pretrain_rankme": _num(r["pretrain_rankme"])}
+    out = Path(run) / "best_checkpoint.json"
+    doc = {"selected_on": "val", "rule": "highest val balanced accuracy of the head chosen on val; ties: val AUROC, "
+           "then the earliest step; test scores are reported, never used", "settings_key": settings_key(cfg),
+           "probe_settings": result_settings(cfg), "tasks": tasks}
+    fsio.atomic_write_bytes(str(out), json.dumps(doc, indent=2).encode())
+    return out
+
+
+def _fmt(row, split: str, metric: str, device: str = "") -> str:
+    """`value [lo, hi]` from a table row (device: the per-device columns, `...@<device>`)."""
+    at = f"@{device}" if device else ""
+    return probe._fmt(_num(row[f"{split}_{metric}{at}"]), [_num(row[f"{split}_{metric}_ci95_lo{at}"]),
+                                                           _num(row[f"{split}_{metric}_ci95_hi{at}"])])
+
+
+def devices_of(table: pd.DataFrame) -> list[str]:
+    return sorted({c.split("@", 1)[1] for c in table.columns if c.startswith("test_balanced_accuracy@")})
+
+
+def markdown(table: pd.DataFrame) -> str:
+    lines = ["# Checkpoint leaderboard", "",
+             "One row per run, checkpoint and task: the pretrained encoder's head chosen on val (balanced accuracy, "
+             "then AUROC). Intervals: 95% bootstrap over participants. `best`: per run and task, chosen on val only "
+             "and reported on test. Loss and RankMe: pretraining metrics logged at that step.", ""]
+    devices = devices_of(table)
+    for task, t in table.groupby("task", sort=False):
+        lines += [f"## {task}", "", "| run | step | head | val bal. acc | val AUROC | test bal. acc | test AUROC | "
+                  "loss | RankMe | best |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in t.iterrows():
+            lines.append(f"| {r['run_name']} | {r['step']} | {r['head']} | {_fmt(r, 'val', 'balanced_accuracy')} | "
+                         f"{_fmt(r, 'val', 'auroc')} | {_fmt(r, 'test', 'balanced_accuracy')} | "
+                         f"{_fmt(r, 'test', 'auroc')} | {probe._fmt(_num(r['pretrain_loss']))} | "
+                         f"{probe._fmt(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
+                         f"{'' if r['ckpt_exists'] else ' (pruned)'} |")
+        if devices:
+            lines += ["", f"Per test device ({task}): balanced accuracy / AUROC [95% CI]", "",
+                      "| run | step | " + " | ".join(devices) + " |", "|---" * (len(devices) + 2) + "|"]
+            for _, r in t.iterrows():
+                cells = [f"{_fmt(r, 'test', 'balanced_accuracy', d)} / {_fmt(r, 'test', 'auroc', d)}"
+                         if pd.notna(r.get(f"test_n@{d}")) else "n/a" for d in devices]
+                lines.append(f"| {r['run_name']} | {r['step']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(table: pd.DataFrame, out: Path) -> None:
+    """Score against training step: a column per task, balanced accuracy and AUROC rows; per
+    run one colour, val solid, test dashed with its interval shaded, the chosen checkpoint starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    tasks = list(dict.fromkeys(table["task"]))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, task in enumerate(tasks):
+        for i, (metric, title) in enumerate((("balanced_accuracy", "balanced accuracy"), ("auroc", "AUROC"))):
+            ax = axes[i, j]
+            for c, (run, t) in enumerate(table[table["task"] == task].groupby("run", sort=False)):
+                t = t.sort_values("step")
+                col, name = colors[c % len(colors)], t["run_name"].iloc[0]
+                ax.plot(t["step"], t[f"val_{metric}"], "o-", color=col, label=f"{name} val")
+                ax.plot(t["step"], t[f"test_{metric}"], "s--", color=col, label=f"{name} test")
+                lo, hi = t[f"test_{metric}_ci95_lo"].astype(float), t[f"test_{metric}_ci95_hi"].astype(float)
+                ax.fill_between(t["step"], lo, hi, color=col, alpha=0.12)
+                b = t[t["best"]]
+                ax.plot(b["step"], b[f"val_{metric}"], "*", color=col, markersize=16, markeredgecolor="k")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(f"{task}: {title}")
+            ax.set_xlabel("training step")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle("checkpoint leaderboard (star: chosen on val)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+
+
+def default_out(runs: list[str]) -> Path:
+    """One run: its folder. Several: a `leaderboard` folder beside the first."""
+    return Path(runs[0]) if len(runs) == 1 else Path(runs[0]).parent / "leaderboard"
+
+
+def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, progress: bool = True) -> dict:
+    runs = list(dict.fromkeys(str(r).rstrip("/") for r in runs))
+    probe.check_tasks(cfg)
+    board = Board(cfg)
+    done, todo = {}, []
+    for r in runs:
+        if not Path(r).is_dir():
+            raise cli.UsageError(f"run: no run folder {r}")
+        done[r], t = board.plan(r)
+        if not t and not done[r]:
+            raise cli.UsageError(f"run: no step_<N>.pt checkpoint under {probe.run_checkpoint_dir(r)}")
+        todo += [(r, *x) for x in t]
+    bar = tqdm(todo, desc="leaderboard", unit="ckpt", disable=not progress or not todo, file=sys.stderr)
+    for r, step, uri, ident in bar:
+        bar.set_postfix_str(f"{Path(r).name} step {step}")
+        done[r][step] = board.probe(r, step, uri, ident)
+    table = pd.DataFrame([row for r in runs for row in table_rows(r, [done[r][s] for s in sorted(done[r])])])
+    best = select_best(table)
+    table["best"] = table.index.isin(best.index)
+    best_files = [str(write_best(r, best, cfg)) for r in runs]
+    out = Path(out) if out else default_out(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    fsio.write_parquet_atomic(pa.Table.from_pandas(table, preserve_index=False), str(out / "leaderboard.parquet"))
+    fsio.atomic_write_bytes(str(out / "leaderboard.md"), markdown(table).encode())
+    plot(table, out / "leaderboard.png")
+    return {"table": table, "best": table[table["best"]], "probed": [(r, s) for r, s, _, _ in todo],
+            "reused": sum(len(d) for d in done.values()) - len(todo), "out": str(out), "best_files": best_files}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make leaderboard", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", help="a pretraining run folder (repeat for several); "
+                                                   "default: the config's `run`")
+    ap.add_argument("--config", default=None, help="probe settings (configs/probe.yaml)")
+    ap.add_argument("--out", default=None, help="where the table goes (default: the run folder, or "
+                                                "<parent>/leaderboard for several runs)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="ProbeConfig key=value overrides (make ARGS)")
+    a = ap.parse_args(argv)
+    cfg = config.load(ProbeConfig, a.config, [*DEFAULTS, *a.overrides])
+    runs = a.run or ([cfg.run] if cfg.run else [])
+    if not runs:
+        raise cli.UsageError("leaderboard: give a run (RUN=runs/<name> or --run) or set `run` in the config")
+    t0 = time.perf_counter()
+    res = run(runs, cfg, a.out, progress=not a.no_progress)
+    table = res["table"]
+    for task, t in table.groupby("task", sort=False):
+        rows = [(r["run_name"], r["step"], r["head"], _fmt(r, "val", "balanced_accuracy"),
+                 _fmt(r, "test", "balanced_accuracy"), probe._fmt(_num(r["test_auroc"])),
+                 probe._fmt(_num(r["pretrain_loss"])), probe._fmt(_num(r["pretrain_rankme"])),
+                 "<- best" if r["best"] else "") for _, r in t.iterrows()]
+        print(f"\n{task}:")
+        print(cli.format_table(["run", "step", "head", "val bal. acc [95% CI]", "test bal. acc [95% CI]",
+                                "test AUROC", "loss", "RankMe", ""], rows))
+    print()
+    for _, r in res["best"].iterrows():
+        print(f"best {r['run_name']} {r['task']}: step {r['step']} (val bal. acc "
+              f"{probe._fmt(_num(r['val_balanced_accuracy']))}, test {_fmt(r, 'test', 'balanced_accuracy')}) {r['ckpt']}")
+    probed = ", ".join(f"{Path(r).name}@{s}" for r, s in res["probed"]) or "none"
+    print(f"leaderboard: probed {len(res['probed'])} checkpoint(s) ({probed}), reused {res['reused']} stored; "
+          f"table {res['out']}/leaderboard.parquet, .md, .png; choices {', '.join(res['best_files'])}; "
+          f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
