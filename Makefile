@@ -1,5 +1,5 @@
 # octfm: every stage is a make target. Variables (see README): SRC DST SOURCE CACHE LOCAL
-# CONFIG ARGS CKPT RUN RUNS SHARD STRICT. `make demo` and `make test` set everything up themselves.
+# CONFIG ARGS CKPT RUN RUNS OUT SHARD STRICT. `make demo` and `make test` set everything up themselves.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -20,6 +20,7 @@ STRICT ?= 0
 CKPT   ?=
 RUN    ?=
 RUNS   ?=
+OUT    ?=
 NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
@@ -36,7 +37,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-xla xla-venv bench mirror manifest cache stage pretrain probe leaderboard clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache stage pretrain probe leaderboard report clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -50,6 +51,7 @@ help:
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
+	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
 
 venv: $(STAMP)
 
@@ -68,10 +70,18 @@ demo: $(STAMP)
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
 	$(PY) -m train.probe --config configs/probe.yaml run=runs/pretrain_smoke
-	@echo "demo: done. Inspect with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
+	$(PY) -m octfm.report --cache $(CACHE) --run runs/pretrain_smoke
+	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(PY) -m pytest -q --ignore=tests/xla
+
+# Debian's chromium renders `make report` pages in the tests (headless); installed when missing (root).
+test-deps:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" != 0 ]; then echo "make test: chromium is missing; as root: apt-get install -y chromium" >&2; exit 1; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get -y -q install chromium || { apt-get -q update && apt-get -y -q install chromium; }; }
 
 xla-venv:
 	@test -f $(XLA_VENV)/.complete || { rm -rf $(XLA_VENV) && $(PYTHON) -m venv $(XLA_VENV) && \
@@ -95,6 +105,9 @@ cache: $(STAMP)
 
 stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
+
+report: $(STAMP)
+	$(PY) -m octfm.report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 probe: $(STAMP)
 	$(PY) -m train.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)

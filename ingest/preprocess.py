@@ -15,7 +15,7 @@ import numpy as np
 from ingest.dicom import BadInput
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: orientation flips happen before resampling
 
 
 @dataclasses.dataclass
@@ -124,9 +124,9 @@ def preprocess(pixels: np.ndarray, cfg: PreprocessConfig, flip: list[int] = ()) 
     lo, hi = window(pixels, cfg)
     if not hi > lo:
         raise BadInput(f"constant volume: window lo == hi == {lo:g} (no image content to normalise)")
+    if flip:  # before resampling (a view): a reversed source then caches exactly like its upright twin
+        pixels = np.flip(pixels, axis=tuple(flip))
     out = rescale_resize(pixels, lo, hi, tuple(cfg.target_shape), cfg.slab_frames)
-    if flip:
-        out = np.ascontiguousarray(np.flip(out, axis=tuple(flip)))
     return out, lo, hi
 
 

@@ -1,9 +1,9 @@
 """A synthetic AI-READI-shaped OCT dataset for the demo and the tests.
 
-Layered retina with a foveal pit and an optic-disc-side thickening, multiplicative speckle
-and log compression, written as OPT multi-frame DICOM at each scanner's native aspect ratio
-(scaled down by `scale`). Includes a JPEG 2000 device, both spacing layouts, flipped
-Spectralis OCTA cubes, and the bad files real buckets contain.
+Layered retina with a foveal pit, an optic-disc-side thickening and a vessel shadow (an
+up-down marker), multiplicative speckle and log compression, written as OPT multi-frame DICOM
+at each scanner's native aspect ratio (scaled down by `scale`). Includes a JPEG 2000 device,
+both spacing layouts, flipped Spectralis OCTA cubes, and the bad files real buckets contain.
 """
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
 
     `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
     probe can learn (issue: probes on planted signal).
+    A vessel arches from the disc towards frame 0 only and shadows the tissue below it: an
+    up-down marker, so a frame-reversed cube shows its arc at the bottom of an en-face image.
     """
     frames, rows, cols = shape
     y = np.linspace(-1, 1, frames, dtype=np.float32)[:, None]
@@ -93,6 +95,9 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
     bounds = np.concatenate([surface[..., None], bounds], -1)                   # [F, C, L+1]
     levels = np.array([VITREOUS] + [b for _, _, b in LAYERS] + [SCLERA], dtype=np.float32)
     z = (np.arange(rows, dtype=np.float32) + 0.5) / rows
+    arc = -0.7 * np.sqrt(np.clip(np.abs(x - disc_x) / 1.7, 0, 1))                # vessel centre line (frames)
+    half_width = max(0.06, 1.0 / max(frames - 1, 1))                            # at least one frame per column
+    vessel = (np.abs(y - arc) < half_width) & (np.abs(x - disc_x) < 1.7)       # [F, C]
     gain = rng.uniform(0.85, 1.15)
     out = np.empty(shape, dtype=np.uint8)
     for f in range(frames):
@@ -100,6 +105,7 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
         img = levels[idx]
         depth_below = np.clip(z[:, None] - bounds[f, :, -2][None], 0, None)     # choroid fades
         img = img * np.where(idx >= len(LAYERS), np.exp(-depth_below * 8), 1.0)
+        img = img * np.where(vessel[f][None, :] & (idx > 1), 0.5, 1.0)          # shadow below the RNFL
         speckle = rng.gamma(2.0, 0.5, size=img.shape).astype(np.float32)
         img = gain * img * speckle + np.abs(rng.normal(0.03, 0.02, size=img.shape)).astype(np.float32)  # noise floor
         img = np.log1p(40 * np.clip(img, 0, None)) / np.log1p(40 * 1.6)

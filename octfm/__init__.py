@@ -1,4 +1,5 @@
-"""Shared plumbing for the octfm stages: typed configs, exit codes, file systems."""
+"""Shared plumbing for the octfm stages (typed configs, exit codes, file systems), and
+`make report` (report.py), which reads the outputs of every stage."""
 import os
 
 # gcsfs probes every bucket over gRPC for hierarchical namespaces unless told not to; on the

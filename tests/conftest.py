@@ -227,3 +227,21 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
     }
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_cache, tmp_path_factory) -> Path:
+    """A 4-step run on tiny_cache with validation, W&B offline (checkpoints as artifacts) and a
+    small probe: the run folder `make report` and the W&B test read."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
+    args = tiny_train_args(tiny_cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
+                           val_batches=1, **{"wandb.enabled": "true", "wandb.mode": "offline",
+                                             "wandb.log_checkpoints": "true"})
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = root / "runs" / "tiny"
+    r = run_cli("train.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
+                "heads=[linear]", "cross_device=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return run

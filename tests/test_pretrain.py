@@ -3,12 +3,14 @@ import json
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO, run_cli, tiny_train_args
 from octfm import config
@@ -190,13 +192,57 @@ def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
         checkpoint.load(str(tmp_path / "evil.pt"))
 
 
-def test_wandb_offline_run_writes_its_files(tiny_cache, tmp_path):
-    args = tiny_train_args(tiny_cache, tmp_path / "runs", name="wb", max_steps=2, ckpt_every=2,
-                           **{"wandb.enabled": "true", "wandb.mode": "offline"})
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args, env={"WANDB_API_KEY": ""})
-    assert r.returncode == 0, r.stderr[-2000:]
-    runs = list((tmp_path / "runs" / "wb" / "wandb").glob("offline-run-*"))
-    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+def wandb_records(path) -> list:
+    """The protobuf Records of an offline .wandb file, read without the W&B service. The file is
+    a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks
+    [crc32, length (2 bytes), type (1 full, 2 first, 3 middle, 4 last)] + data."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, block, buf, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_run):
+    files = list((tiny_run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    recs = wandb_records(files[0])
+    history, config_keys, artifacts = {}, None, []
+    for r in recs:
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
+        elif kind == "run":
+            config_keys = {i.key: json.loads(i.value_json) for i in r.run.config.update if i.key != "_wandb"}
+        elif kind == "artifact":
+            a = r.artifact
+            artifacts.append((a.type, a.name, sorted(a.aliases), [e.path for e in a.manifest.contents]))
+    expected = {}
+    for line in (tiny_run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        split, step = row.pop("split"), row.pop("step")
+        expected.setdefault(step, {}).update({f"{split}/{k}": v for k, v in row.items()})
+    assert sorted(history) == sorted(expected) == [1, 2, 3, 4]
+    assert "val/loss" in history[2] and "val/loss" in history[4]
+    for step, want in expected.items():
+        assert history[step] == pytest.approx(want), step  # same names, same values as metrics.jsonl
+    cfg = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    assert config_keys == cfg
+    assert artifacts == [("model", "tiny-checkpoint", ["latest", f"step_{s}"], [f"step_{s:07d}.pt"]) for s in (2, 4)]
 
 
 def test_resume_prefers_the_newest_step_file_over_a_stale_latest(tmp_path):

@@ -70,6 +70,7 @@ class WandbConfig:
     project: str = "octfm"
     mode: Literal["offline", "online"] = "offline"
     entity: str | None = None
+    log_checkpoints: bool = False             # each saved checkpoint as a "model" artifact (large for ViT-B)
 
 
 @dataclasses.dataclass

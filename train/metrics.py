@@ -48,12 +48,15 @@ def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/ and val/ when enabled."""
+    """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/ and val/ when enabled:
+    W&B keys are `<split>/<jsonl key>`, so a curve has one name everywhere. The run's config
+    goes to W&B as its config; checkpoints optionally as "model" artifacts."""
 
     def __init__(self, run_dir: Path, enabled: bool, wandb_cfg=None, config: dict | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
+        self.log_checkpoints = wandb_cfg is not None and wandb_cfg.log_checkpoints
         if enabled and wandb_cfg is not None and wandb_cfg.enabled:
             import wandb
 
@@ -70,6 +73,23 @@ class MetricsLog:
             f.write(json.dumps({"split": prefix, **clean}) + "\n")
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": v for k, v in record.items() if k != "step"}, step=record.get("step"))
+
+    def log_checkpoint(self, uri: str | None, step: int) -> None:
+        """Record a saved checkpoint as a W&B "model" artifact (aliases step_<N> and latest).
+        A gs:// checkpoint is recorded by reference (no second upload, no read back)."""
+        if self.wandb is None or not self.log_checkpoints or not uri:
+            return
+        import wandb
+
+        from octfm import fsio
+
+        art = wandb.Artifact(f"{self.wandb.name}-checkpoint", type="model", metadata={"step": step})
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        if fsio.is_remote(uri):
+            art.add_reference(uri, name=name, checksum=False)
+        else:
+            art.add_file(uri, name=name)
+        self.wandb.log_artifact(art, aliases=[f"step_{step}", "latest"])
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -1,13 +1,20 @@
-"""Training curves from metrics.jsonl as one PNG (loss, LR, grad norm, collapse monitors)."""
+"""Training curves from metrics.jsonl as one PNG: loss, schedules, grad norm, collapse
+monitors, throughput and data wait (the same figure in curves.png and in `make report`)."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from train.metrics import read_metrics
 
+# (metrics.jsonl key, panel title): the names W&B shows under train/ too
+PANELS = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
+          ("ema_momentum", "EMA momentum"), ("rankme", "RankMe of targets"), ("target_std", "target feature std"),
+          ("samples_per_s", "throughput (samples/s)"), ("data_wait_frac", "data wait fraction")]
 
-def plot_metrics(run_dir: str | Path) -> Path | None:
-    run_dir = Path(run_dir)
+
+def curves_png(run_dir: str | Path, dpi: int = 80) -> bytes | None:
+    """The curves figure as PNG bytes, or None when the run logged no training rows."""
     train, val = read_metrics(run_dir)
     if not train:
         return None
@@ -17,11 +24,11 @@ def plot_metrics(run_dir: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     steps = sorted(train)
-    panels = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
-              ("rankme", "RankMe of targets"), ("target_std", "target feature std"), ("data_wait_frac", "data wait")]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, panels):
-        ax.plot(steps, [train[s].get(key) for s in steps], label="train")
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        ys = [train[s].get(key) for s in steps]
+        ys = [float("nan") if y is None else y for y in ys]  # non-finite values are logged as null
+        ax.plot(steps, ys, ".-" if len(steps) < 30 else "-", label="train")
         if key == "loss" and val:
             vs = sorted(val)
             ax.plot(vs, [val[s]["loss"] for s in vs], "o-", label="val")
@@ -29,9 +36,19 @@ def plot_metrics(run_dir: str | Path) -> Path | None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(Path(run_dir).name)
     fig.tight_layout()
-    out = run_dir / "curves.png"
-    fig.savefig(out, dpi=80)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_metrics(run_dir: str | Path) -> Path | None:
+    """Write <run_dir>/curves.png; None when there is nothing to plot."""
+    png = curves_png(run_dir)
+    if png is None:
+        return None
+    out = Path(run_dir) / "curves.png"
+    out.write_bytes(png)
     return out

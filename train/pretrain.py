@@ -276,7 +276,7 @@ class Trainer:
                 if v:
                     log.log(v, prefix="val")
             if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
-                self.save()
+                log.log_checkpoint(self.save(), self.step)
             if self.step % cfg.ckpt_every == 0 or (cfg.val_every and self.step % cfg.val_every == 0):
                 t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
         bar.close()
