@@ -149,7 +149,8 @@ def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float,
 def dicom_bytes(ds: Dataset, compress: str | None = None) -> bytes:
     if compress:
         ds = copy.deepcopy(ds)
-        ds.compress(compress, encoding_plugin="pylibjpeg")
+        # keep the SOP Instance UID manifest.tsv lists (pydicom would draw a random one)
+        ds.compress(compress, encoding_plugin="pylibjpeg", generate_instance_uid=False)
     buf = io.BytesIO()
     ds.save_as(buf, enforce_file_format=True)
     return buf.getvalue()

@@ -10,7 +10,6 @@ import os
 import posixpath
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import pandas as pd
@@ -53,24 +52,17 @@ def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
 
 
 def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str, dict]:
-    """Open each archive's central directory (in threads: on gs:// each is a few round trips)
-    and add its members to `listing`; a path already present keeps its first source."""
-    def one(rel: str):
-        try:
-            return rel, archives.list_members(fsio.join(root, rel), rel), None
-        except archives.ArchiveError as exc:
-            return rel, [], str(exc)
-
+    """Add every archive's members to `listing` (a path already present keeps its first
+    source) and return archive relpath -> {members, error, duplicates}."""
     report: dict[str, dict] = {}
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        for rel, members, error in pool.map(one, zips):
-            report[rel] = {"members": len(members), "error": error, "duplicates": []}
-            for m in members:
-                if m.relpath in listing:
-                    report[rel]["duplicates"].append(m.relpath)
-                    continue
-                listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
-                                      "error": m.error}
+    for rel, (members, error) in archives.list_archives(root, zips).items():
+        report[rel] = {"members": len(members), "error": error, "duplicates": []}
+        for m in members:
+            if m.relpath in listing:
+                report[rel]["duplicates"].append(m.relpath)
+                continue
+            listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
+                                  "error": m.error}
     return report
 
 
@@ -179,6 +171,8 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         parts = rel.split("/")
         device = aireadi.device_from_path(rel)
         pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
+        if "::" in rel:  # an archive member whose name is unsafe: its folders mean nothing
+            pid = None
         row = base_row(pid or "", rel, rel)
         row.update({"device": device, "listed": False, "laterality": None})
         _attach_listing(row, rel, listing, mirror)

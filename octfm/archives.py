@@ -18,6 +18,7 @@ import dataclasses
 import posixpath
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from octfm import fsio
 
@@ -99,6 +100,19 @@ def list_members(archive_uri: str, archive_rel: str) -> list[Member]:
                           size=info.file_size, compress_size=info.compress_size, crc=info.CRC,
                           date_time=tuple(info.date_time), error=error))
     return out
+
+
+def list_archives(root: str, rels: list[str], workers: int = 8) -> dict[str, tuple[list[Member], str | None]]:
+    """archive relpath -> (members, None) or ([], reason), for archives under `root`. In
+    threads: on gs:// each central directory costs a few round trips."""
+    def one(rel: str):
+        try:
+            return rel, (list_members(fsio.join(root, rel), rel), None)
+        except ArchiveError as exc:
+            return rel, ([], str(exc))
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(pool.map(one, rels))
 
 
 def read_failure(exc: BaseException, uri: str = "") -> str | None:

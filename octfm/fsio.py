@@ -16,6 +16,9 @@ from pathlib import Path
 import fsspec
 
 
+_UMASK = os.umask(0o022)  # read once at import (os.umask sets it too, so put it back at once)
+os.umask(_UMASK)
+
 
 class PathEscapeError(ValueError):
     """A manifest path that would leave the dataset root."""
@@ -148,6 +151,7 @@ def atomic_writer(uri: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
