@@ -217,6 +217,8 @@ def status_mb(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
 archive, member, whole = sys.argv[1], sys.argv[2], sys.argv[3] == "whole"
+fs, path = fsio.filesystem(archive)
+fs.info(path)  # imports (gcsfs) and the HTTP session are not what we measure
 try:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -232,9 +234,11 @@ print(json.dumps({"before_mb": before, "peak_mb": status_mb("VmHWM"), "bytes": n
 """
 
 
-def test_reading_one_member_of_a_large_archive_keeps_memory_bounded(tmp_path):
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_reading_one_member_of_a_large_archive_keeps_memory_bounded(where, tmp_path, request):
     """A 160 MB archive of stored members: listing it and reading one 5 MB member raises
-    the peak RSS by a few MB; reading the whole archive (the control) by its size."""
+    the peak RSS by a few MB (gs://: plus gcsfs's 5 MB read-ahead block); reading the whole
+    archive (the control) by at least its size."""
     archive = tmp_path / "big.zip"
     rng = np.random.default_rng(0)
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
@@ -242,14 +246,21 @@ def test_reading_one_member_of_a_large_archive_keeps_memory_bounded(tmp_path):
             zf.writestr(f"{1000 + i}/vol.dcm", rng.bytes(5 << 20))
     size_mb = archive.stat().st_size / 2**20
     assert size_mb > 150
+    uri = str(archive)
+    if where == "gs":
+        request.getfixturevalue("gcs_emulator")
+        gcs_bucket("mem-bucket").put(str(archive), "mem-bucket/big.zip")
+        uri = "gs://mem-bucket/big.zip"
     peaks = {}
     for mode in ("member", "whole"):
-        r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(archive), "1020/vol.dcm", mode], cwd=REPO,
+        r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, uri, "1020/vol.dcm", mode], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         peaks[mode] = json.loads(r.stdout)
     member_growth = peaks["member"]["peak_mb"] - peaks["member"]["before_mb"]
     whole_growth = peaks["whole"]["peak_mb"] - peaks["whole"]["before_mb"]
     assert peaks["member"]["bytes"] == 5 << 20
-    assert member_growth < 25, peaks  # the member (5 MB) and buffers, not the archive
+    assert member_growth < 30, peaks  # the member (5 MB) and buffers, not the archive
     assert whole_growth > 0.9 * size_mb, peaks  # the measurement does see a whole-archive read
+    if where == "gs":
+        gcs_bucket("mem-bucket").rm("mem-bucket/big.zip")  # the emulator keeps objects in memory
