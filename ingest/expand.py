@@ -87,6 +87,7 @@ def expand_archive(source: str, dst: str, rel: str, members: list[archives.Membe
     for m in members:
         if m.error:
             results.append({"path": m.relpath, "status": "failed", "error": m.error, "bytes": 0})
+            tick(m.size)
         elif already_there(fsio.join(dst, m.relpath), m.size, m.crc, existing, m.relpath):
             results.append({"path": m.relpath, "status": "skipped", "bytes": 0})
             tick(m.size)
