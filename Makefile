@@ -1,5 +1,5 @@
 # octfm: every stage is a make target. Variables (see README): SRC DST SOURCE CACHE LOCAL
-# CONFIG ARGS CKPT RUN RUNS OUT SHARD STRICT. `make demo` and `make test` set everything up themselves.
+# CONFIG ARGS CKPT RUN RUNS OUT SHARD STRICT ZIPPED. `make demo` and `make test` set everything up themselves.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -8,8 +8,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-SRC    ?= data/demo/b2
-DST    ?= data/demo/gcs
+ZIPPED ?= 0
+zipped  = $(filter 1 true yes,$(ZIPPED))
+SRC    ?= data/demo/b2$(if $(zipped),_zip)
+DST    ?= data/demo/gcs$(if $(zipped),_zip)
 SOURCE ?= $(DST)
 CACHE  ?= data/cache
 LOCAL  ?= data/local_cache
@@ -37,16 +39,18 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache stage pretrain probe leaderboard report clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
+	@echo "make demo ZIPPED=1   the same with the DICOMs in per-device ZIP archives, read in place"
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
+	@echo "make expand SOURCE=<zipped dataset root> DST=<folder or gs://...> [STRICT=1]"
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
@@ -64,7 +68,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC)
+	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(if $(zipped),--zipped)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
@@ -102,6 +106,12 @@ manifest: $(STAMP)
 
 cache: $(STAMP)
 	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(strict_flag) $(ARGS)
+
+# Optional: manifest and cache read ZIP members in place. DST is required (never a default).
+expand: $(STAMP)
+	@test "$(origin SOURCE)" != file -a "$(origin DST)" != file || \
+	  { echo "make expand: set SOURCE=<zipped dataset root> and DST=<folder or gs://...>" >&2; exit 2; }
+	$(PY) -m ingest.expand --source $(SOURCE) --dst $(DST) $(strict_flag)
 
 stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)

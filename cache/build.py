@@ -63,13 +63,19 @@ def cache_key(row: dict, cfg: CacheConfig) -> str:
 
 # ---------------------------------------------------------------- driver side
 
+def source_location(uri: str) -> str:
+    """Where a source lives: the archive for a ZIP member URI, else the URI itself."""
+    member = fsio.split_member_uri(uri)
+    return member[0] if member else uri
+
+
 def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
     """<CACHE>/sources.parquet, built from SOURCE when missing or made for another root."""
     uri = fsio.join(cache_root, "sources.parquet")
     root = source.rstrip("/")
     if fsio.exists(uri):
         rows = schema.read_table(uri, schema.SOURCES_SCHEMA).to_pylist()
-        if all((r["source"] or "").startswith(root + "/") or r["source"] is None for r in rows) and rows:
+        if rows and all(r["source"] is None or source_location(r["source"]).startswith(root + "/") for r in rows):
             return rows
         print(f"cache: {uri} was made for another SOURCE; rebuilding it from {source}")
     rows, summary = manifest_build.build_sources(source, seed=seed)

@@ -17,7 +17,7 @@ from ingest import preprocess as prep
 from ingest.dicom import BadInput, read_volume
 from manifests import build as manifest_build
 from manifests import schema
-from octfm import config, fsio
+from octfm import archives, config, fsio
 
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
 VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAMES]
@@ -74,6 +74,11 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
         except OSError as exc:
             detail = str(exc) or f"no answer within read_timeout_s={cfg.read_timeout_s:g}"
             raise BadInput(f"read error: {type(exc).__name__}: {detail} (after {cfg.read_retries} attempts)") from None
+        except Exception as exc:  # a ZIP member: zipfile checks its CRC-32 as it reads
+            reason = archives.read_failure(exc, row["source"])
+            if reason is None:
+                raise
+            raise BadInput(reason) from None
         if row.get("size") is not None and len(data) != row["size"]:
             raise BadInput(f"size mismatch: read {len(data)} bytes, the listing said {row['size']}")
         out["sha1"] = hashlib.sha1(data).hexdigest()

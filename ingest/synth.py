@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import io
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -154,7 +155,8 @@ def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float,
 def dicom_bytes(ds: Dataset, compress: str | None = None) -> bytes:
     if compress:
         ds = copy.deepcopy(ds)
-        ds.compress(compress, encoding_plugin="pylibjpeg")
+        # keep the SOP Instance UID manifest.tsv lists (pydicom would draw a random one)
+        ds.compress(compress, encoding_plugin="pylibjpeg", generate_instance_uid=False)
     buf = io.BytesIO()
     ds.save_as(buf, enforce_file_format=True)
     return buf.getvalue()
@@ -170,6 +172,7 @@ class SynthConfig:
     split_column: bool = True    # write recommended_split (False exercises the fallback)
     id_column: str = "participant_id"  # or person_id (release 3)
     unlabeled: int = 1           # participants with an empty study_group
+    zipped: bool = False         # DICOMs in per-device ZIP archives (zip_layout) instead of plain files
 
 
 def _participants(cfg: SynthConfig) -> pd.DataFrame:
@@ -257,7 +260,37 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
     if cfg.bad_files:
         _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
     pd.DataFrame(rows).to_csv(out / "retinal_oct" / "manifest.tsv", sep="\t", index=False)
+    if cfg.zipped:
+        counts["archives"] = zip_layout(out)
     return counts
+
+
+ZIP_DATE = (2023, 5, 1, 12, 0, 0)  # fixed member timestamps: the same tree gives the same archives
+
+
+def zip_layout(root: str | Path, parts: int = 2) -> int:
+    """Turn a plain tree into the zipped layout researchers receive: each device folder's
+    participant folders go into `parts` archives in that folder (part1.zip, ...; members
+    named <participant>/<file>), the odd-numbered deflated and the even ones stored, so both
+    methods are exercised. TSV files stay plain. Returns the number of archives written."""
+    oct_root = Path(root) / "retinal_oct" / "structural_oct"
+    n = 0
+    for dev in sorted(p for p in oct_root.iterdir() if p.is_dir()):
+        people = sorted(p for p in dev.iterdir() if p.is_dir())
+        for k in range(parts):
+            chunk = people[k * len(people) // parts:(k + 1) * len(people) // parts]
+            if not chunk:
+                continue
+            method = zipfile.ZIP_DEFLATED if k % 2 == 0 else zipfile.ZIP_STORED
+            with zipfile.ZipFile(dev / f"part{k + 1}.zip", "w") as zf:
+                for person in chunk:
+                    for f in sorted(person.iterdir()):
+                        info = zipfile.ZipInfo(f"{person.name}/{f.name}", date_time=ZIP_DATE)
+                        info.compress_type = method
+                        zf.writestr(info, f.read_bytes(), compresslevel=1 if method == zipfile.ZIP_DEFLATED else None)
+                    shutil.rmtree(person)
+            n += 1
+    return n
 
 
 def _add_bad_files(pid: str, add_file, volume_dataset, counts: dict) -> None:
@@ -289,16 +322,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-bad-files", action="store_true")
     ap.add_argument("--no-split-column", action="store_true")
     ap.add_argument("--person-id", action="store_true", help="name the ID column person_id (release 3)")
+    ap.add_argument("--zipped", action="store_true",
+                    help="DICOMs in per-device ZIP archives (<device>/part1.zip, members <participant>/<file>)")
     a = ap.parse_args(argv)
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
     cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
-                      id_column="person_id" if a.person_id else "participant_id")
+                      id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
     counts = generate(a.out, cfg)
     n_bytes = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
+    layout = f"; in {counts['archives']} ZIP archives" if a.zipped else ""
     print(f"synth: wrote {a.out}: {counts['good']} good volumes ({counts['octa']} Spectralis OCTA, frame-reversed), "
-          f"{counts['bad']} bad files, {counts['missing']} listed but missing; {n_bytes / 1e6:.1f} MB")
+          f"{counts['bad']} bad files, {counts['missing']} listed but missing{layout}; {n_bytes / 1e6:.1f} MB")
     return 0
 
 

@@ -16,29 +16,64 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from manifests import aireadi, schema, splits
-from octfm import cli, fsio
+from octfm import archives, cli, fsio
 
 MIRROR_RECORD = "octfm_mirror.parquet"
 OCT_DIR = "retinal_oct"
 
 
-def list_dataset(root: str) -> dict[str, dict]:
-    """One recursive listing of <root>/retinal_oct: relpath -> {size, version}."""
+def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """One recursive listing of <root>/retinal_oct, ZIP archives opened in place.
+
+    Returns relpath -> {size, version, source, archive, error} for plain files and archive
+    members alike (octfm/archives.py maps a member to the path it stands for), and
+    archive relpath -> {members, error} for every archive found.
+    """
     fs, base = fsio.filesystem(root)
     oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR)
     if not fs.exists(oct_dir):
-        return {}
+        return {}, {}
     found = fs.find(oct_dir, detail=True)
     base_norm = base.rstrip("/") + "/"
-    out = {}
+    out: dict[str, dict] = {}
+    zips: list[str] = []
     for path, info in found.items():
         if info.get("type") == "directory":
             continue
         rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
         rel = rel.replace(os.sep, "/")
+        if archives.is_archive(rel):
+            zips.append(rel)
+            continue
         version = info.get("generation") or info.get("md5Hash") or info.get("etag") or info.get("mtime") or info.get("updated")
-        out[rel] = {"size": int(info.get("size") or 0), "version": str(version) if version is not None else None}
-    return out
+        out[rel] = {"size": int(info.get("size") or 0), "version": str(version) if version is not None else None,
+                    "source": fsio.join(root, rel), "archive": None, "error": None}
+    return out, _add_archive_members(root, sorted(zips), out)
+
+
+def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str, dict]:
+    """Add every archive's members to `listing` (a path already present keeps its first
+    source) and return archive relpath -> {members, error, duplicates}."""
+    report: dict[str, dict] = {}
+    for rel, (members, error) in archives.list_archives(root, zips).items():
+        report[rel] = {"members": len(members), "error": error, "duplicates": []}
+        for m in members:
+            if m.relpath in listing:
+                report[rel]["duplicates"].append(m.relpath)
+                continue
+            listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
+                                  "error": m.error}
+    return report
+
+
+def _absent_reason(rel: str, zips: dict[str, dict]) -> str:
+    """Why a manifest.tsv path is not in the listing: an unreadable archive in its folder
+    may hold it; otherwise it is missing."""
+    broken = [z for z, info in zips.items() if info["error"] and (rel + "/").startswith(posixpath.dirname(z) + "/")]
+    if broken:
+        return zips[broken[0]]["error"] + (f" (or one of {len(broken) - 1} other unreadable archive(s) here)"
+                                           if len(broken) > 1 else "")
+    return "missing: listed in manifest.tsv but not found in the dataset"
 
 
 def read_mirror_record(root: str) -> dict[str, dict]:
@@ -72,7 +107,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
     participants, n_resplit = splits.fill_splits(participants, seed=seed)
     oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
-    listing = list_dataset(root)
+    listing, zips = list_dataset(root)
     mirror = read_mirror_record(root)
     people = participants.set_index("participant_id")
 
@@ -92,7 +127,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
             "label": label,
             "split": None if info is None else _clean(info["split"]),
             "relpath": rel if rel is not None else raw_path,
-            "source": fsio.join(root, rel) if rel is not None else None,
+            "source": (listing[rel]["source"] if rel in listing else fsio.join(root, rel)) if rel is not None else None,
         }
 
     for r in oct_rows.to_dict("records"):
@@ -121,7 +156,9 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
                 error = "duplicate: manifest.tsv lists this file more than once"
             seen.add(rel)
             if error is None and rel not in listing:
-                error = "missing: listed in manifest.tsv but not found in the dataset"
+                error = _absent_reason(rel, zips)
+            elif error is None:
+                error = listing[rel]["error"]
         if error is None and row["device"] is None:
             error = "unknown device: neither the path nor manufacturer/model name a known scanner"
         _attach_listing(row, rel, listing, mirror)
@@ -134,10 +171,13 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         parts = rel.split("/")
         device = aireadi.device_from_path(rel)
         pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
+        if "::" in rel:  # an archive member whose name is unsafe: its folders mean nothing
+            pid = None
         row = base_row(pid or "", rel, rel)
         row.update({"device": device, "listed": False, "laterality": None})
         _attach_listing(row, rel, listing, mirror)
-        row["manifest_error"] = None if device else "unknown device: file not under a known scanner folder"
+        row["manifest_error"] = listing[rel]["error"] or (None if device else
+                                                          "unknown device: file not under a known scanner folder")
         rows.append(row)
 
     by_rel = {r["relpath"]: r for r in rows}
@@ -155,7 +195,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         "row_errors": Counter((r["manifest_error"] or "").split(":")[0] for r in rows if r["manifest_error"]),
         "devices": Counter(r["device"] for r in rows), "splits": Counter(r["split"] for r in rows),
         "mirror_hashes": sum(bool(r["expected_sha1"] or r["expected_md5"]) for r in rows),
-        "warnings": warnings,
+        "warnings": warnings, "archives": _archive_summary(zips, listing, rows),
     }
     return rows, summary
 
@@ -176,6 +216,23 @@ def duplicate_uids(rows) -> dict[str, str]:
         else:
             first[uid] = row["relpath"]
     return dups
+
+
+def _archive_summary(zips: dict, listing: dict, rows: list[dict]) -> dict | None:
+    """How archive members and manifest.tsv rows matched up (None when there are no archives)."""
+    if not zips:
+        return None
+    in_zip = {rel for rel, info in listing.items() if info["archive"]}
+    listed = {r["relpath"] for r in rows if r["listed"]}
+    return {
+        "archives": len(zips), "unreadable": sorted(z for z, i in zips.items() if i["error"]),
+        "members": sum(i["members"] for i in zips.values()),
+        "matched": len(in_zip & listed),
+        "unlisted_dcm": sum(1 for rel in in_zip - listed if rel.lower().endswith(".dcm")),
+        "other": sorted(rel for rel in in_zip - listed if not rel.lower().endswith(".dcm")),
+        "duplicates": sorted(d for i in zips.values() for d in i["duplicates"]),
+        "rows_without_file": sum(1 for r in rows if r["listed"] and r["relpath"] not in listing),
+    }
 
 
 def _attach_listing(row: dict, rel: str | None, listing: dict, mirror: dict) -> None:
@@ -201,6 +258,18 @@ def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
         print(f"note: {summary['unlisted']} .dcm file(s) found that manifest.tsv does not list (kept, listed=False)")
     for reason, n in summary["row_errors"].items():
         print(f"rows that cannot be cached: {n} {reason}")
+    z = summary.get("archives")
+    if z:
+        print(f"archives: {z['archives']} ZIP archive(s), {z['members']} member(s): {z['matched']} match manifest.tsv "
+              f"rows, {z['unlisted_dcm']} .dcm member(s) match no row (kept, listed=False), {len(z['other'])} other "
+              f"member(s) ignored; {z['rows_without_file']} manifest.tsv row(s) match no member or file")
+        for a in z["unreadable"]:
+            print(f"archive unreadable, its rows failed: {a}")
+        if z["other"]:
+            print(f"ignored archive members (not .dcm): {', '.join(z['other'][:5])}{' ...' if len(z['other']) > 5 else ''}")
+        if z["duplicates"]:
+            print(f"warning: {len(z['duplicates'])} archive member path(s) already seen (first source kept): "
+                  f"{', '.join(z['duplicates'][:5])}")
     print(f"mirror record hashes attached: {summary['mirror_hashes']}")
     for w in summary["warnings"]:
         print(f"warning: {w}")

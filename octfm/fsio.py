@@ -5,6 +5,7 @@ real GCS differ only in environment (STORAGE_EMULATOR_HOST), never in code paths
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import posixpath
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import fsspec
 
+
+_UMASK = os.umask(0o022)  # read once at import (os.umask sets it too, so put it back at once)
+os.umask(_UMASK)
 
 
 class PathEscapeError(ValueError):
@@ -38,11 +42,34 @@ def storage_options(uri: str) -> dict:
     return {}
 
 
+def member_uri(archive_uri: str, member: str) -> str:
+    """fsspec's chained URL for a member of a ZIP archive (local or remote archive).
+
+    `zip://1001/x.dcm::gs://bucket/ds/.../part1.zip`: opening it reads the archive's central
+    directory and that member's bytes by range, never the whole archive.
+    """
+    return f"zip://{member}::{archive_uri}"
+
+
+def split_member_uri(uri: str) -> tuple[str, str] | None:
+    """(archive URI, member name) of a `zip://member::archive` URI, else None."""
+    uri = str(uri)
+    if not uri.startswith("zip://") or "::" not in uri:
+        return None
+    member, archive = uri.removeprefix("zip://").split("::", 1)
+    return archive, member
+
+
 def filesystem(uri: str):
-    """(fs, path) for a local path or URL."""
+    """(fs, path) for a local path, a URL, or a ZIP member URL (`zip://member::archive`)."""
     uri = str(uri)
     if not is_remote(uri):
         return fsspec.filesystem("file"), os.path.abspath(uri.removeprefix("file://"))
+    chained = split_member_uri(uri)
+    if chained:  # options belong to the archive's file system, keyed by its protocol
+        archive = chained[0]
+        protocol = archive.split("://", 1)[0] if is_remote(archive) else "file"
+        return fsspec.core.url_to_fs(uri, **{protocol: storage_options(archive)})
     fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri))
     return fs, path
 
@@ -96,22 +123,42 @@ def read_text(uri: str) -> str:
 
 
 def atomic_write_bytes(uri: str, data: bytes) -> None:
-    """Write so that a reader sees the old file or the whole new one, never a torn one.
+    """Write so that a reader sees the old file or the whole new one, never a torn one."""
+    uri = str(uri)
+    if is_remote(uri):  # an object upload is atomic: a single put is enough
+        fs, path = filesystem(uri)
+        fs.pipe_file(path, data)
+        return
+    with atomic_writer(uri) as f:
+        f.write(data)
 
-    Local: temp file in the same folder, fsync, rename. gs://: an object upload is atomic
-    (it is visible only once complete), so a single put is enough.
+
+@contextlib.contextmanager
+def atomic_writer(uri: str):
+    """A binary file to stream into; it appears at `uri` only if the block ends normally.
+
+    Local: temp file in the same folder, fsync, rename. gs://: an object becomes visible
+    only when its upload completes; on an error the upload is discarded, not finished.
     """
     uri = str(uri)
     if is_remote(uri):
         fs, path = filesystem(uri)
-        fs.pipe_file(path, data)
+        f = fs.open(path, "wb")
+        try:
+            yield f
+        except BaseException:
+            f.discard()  # gcsfs cancels a multipart upload; a small one was never sent
+            f.closed = True  # or fsspec would commit the partial object when it is collected
+            raise
+        f.close()
         return
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
