@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Sequence
@@ -145,27 +145,43 @@ def pool_context():
 
 def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_row) -> None:
     """Process rows in a pool of single-threaded workers; rows of a crashed worker get one
-    retry, then fail with a reason. No max_tasks_per_child: on Python 3.11 a pool that
-    replaces its workers can hang forever (seen here at 128 tasks with 2 workers)."""
+    retry, then fail with a reason. Only a few rows per worker are submitted at a time, so
+    the driver's memory does not grow with the number of files. No max_tasks_per_child: on
+    Python 3.11 a pool that replaces its workers can hang forever (seen here at 128 tasks
+    with 2 workers)."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
+    window = 4 * workers
     ctx = pool_context()
     cfg_dict = config.to_dict(cfg)
     attempts: Counter = Counter()
-    pending = list(todo)
-    while pending:
+    queue = deque(todo)
+    while queue:
         retry: list[dict] = []
-        with ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx,
+        with ProcessPoolExecutor(max_workers=min(workers, len(queue)), mp_context=ctx,
                                  initializer=_init_worker) as pool:
-            futures = {pool.submit(process_row, r, cfg_dict, cache_root, tag): r for r in pending}
-            remaining = set(futures)
+            futures: dict = {}
+            broken = False
+
+            def top_up() -> None:
+                nonlocal broken
+                while queue and not broken and len(futures) < window:
+                    row = queue.popleft()
+                    try:
+                        futures[pool.submit(process_row, row, cfg_dict, cache_root, tag)] = row
+                    except BrokenProcessPool:
+                        queue.appendleft(row)
+                        broken = True
+
             try:
-                while remaining:
-                    finished, remaining = wait(remaining, timeout=5, return_when=FIRST_COMPLETED)
+                top_up()
+                while futures:
+                    finished, _ = wait(list(futures), timeout=5, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        row = futures[fut]
+                        row = futures.pop(fut)
                         try:
                             result = fut.result()
                         except BrokenProcessPool:
+                            broken = True
                             attempts[row["relpath"]] += 1
                             if attempts[row["relpath"]] < 2:
                                 retry.append(row)
@@ -173,14 +189,18 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
                             result = {"status": "failed", "error": "worker crashed: the process died while "
                                       "decoding this file twice (out of memory or a decoder crash)"}
                         on_row({**row, **result})
+                    top_up()
                     on_row(None)  # a tick, so the driver can flush on time
             except cli.JobAborted:
-                pool.shutdown(wait=True, cancel_futures=True)  # rows already running finish; queued ones stay pending
-                for fut in remaining:
+                pool.shutdown(wait=True, cancel_futures=True)  # rows already running finish; the rest stay pending
+                for fut, row in futures.items():
                     if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        on_row({**futures[fut], **fut.result()}, check=False)
+                        on_row({**row, **fut.result()}, check=False)
                 raise
-        pending = retry
+        if retry:
+            print(f"cache: a worker died (out of memory or a decoder crash?); retrying {len(retry)} row(s) once "
+                  "in a fresh pool", file=sys.stderr)
+        queue.extendleft(reversed(retry))
 
 
 def fail_duplicate_uids(by_path: dict[str, dict]) -> None:

@@ -173,6 +173,7 @@ class SynthConfig:
     id_column: str = "participant_id"  # or person_id (release 3)
     unlabeled: int = 1           # participants with an empty study_group
     zipped: bool = False         # DICOMs in per-device ZIP archives (zip_layout) instead of plain files
+    placeholders: bool = False   # tables and empty files only (no pixels): load tests of listing and manifest
 
 
 def _participants(cfg: SynthConfig) -> pd.DataFrame:
@@ -229,6 +230,8 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         shape = scaled_shape(spec.name, cfg.scale)
         f, r, c = spec.shape
         spacing = tuple(s * n / m for s, n, m in zip(spec.spacing, (f, r, c), shape))
+        if cfg.placeholders:
+            return None, shape, generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
         vol = make_volume(shape, vol_rng or rng, lat, label, cfg.signal)
         if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
             vol = vol[::-1].copy()
@@ -247,13 +250,14 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         for lat in ("R", "L"):
             ds, shape, uid = volume_dataset(pid, spec, lat, label)
             name = f"{pid}_{spec.short}_mac_oct_{lat.lower()}_{uid}.dcm"
-            add_file(pid, spec, lat, name, dicom_bytes(ds, spec.compress), shape, uid)
+            add_file(pid, spec, lat, name, b"" if ds is None else dicom_bytes(ds, spec.compress), shape, uid)
             counts["good"] += 1
         if spec.name == "heidelberg_spectralis":
             seed_i = cfg.seed * 1000 + i
             ds, shape, uid = volume_dataset(pid, spec, "R", label, "OCTA", flip=True,
                                             vol_rng=np.random.default_rng(seed_i))
-            add_file(pid, spec, "R", f"{pid}_{spec.short}_mac_octa_r_{uid}.dcm", dicom_bytes(ds), shape, uid, "OCTA")
+            add_file(pid, spec, "R", f"{pid}_{spec.short}_mac_octa_r_{uid}.dcm", b"" if ds is None else dicom_bytes(ds),
+                     shape, uid, "OCTA")
             counts["good"] += 1
             counts["octa"] += 1
 

@@ -1,4 +1,5 @@
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -128,14 +129,15 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
     assert run_cli("cache.build", "--source", str(src), "--cache", str(clean), *args).returncode == 0
     ref = pd.read_parquet(clean / "manifest.parquet")
     n_ok = (ref.status == "ok").sum()
-    for trial, wait_for in enumerate((2, n_ok // 2)):
+    # kill -9 at four moments: right after the listing, then after a random number of volumes (seeded)
+    moments = [0, *sorted(random.Random(0).sample(range(1, n_ok - 2), 3))]
+    for trial, wait_for in enumerate(moments):
         cache = tmp_path / f"killed{trial}"
         proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--source", str(src), "--cache", str(cache), *args],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
-            done = finished_volumes(cache)
-            if done >= wait_for:
+            if (cache / "sources.parquet").exists() and finished_volumes(cache) >= wait_for:
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the build finished before it could be killed; make the test data larger"

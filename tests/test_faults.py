@@ -161,3 +161,28 @@ def test_mirror_fails_clearly_when_the_store_is_away_then_copies_only_the_rest(t
     r = run_cli("ingest.mirror", *mirror)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "copied 3 this run" in r.stdout, r.stdout
+
+
+def test_a_worker_killed_mid_volume_is_retried_and_nothing_is_lost(tmp_path):
+    """The OOM killer or a decoder crash takes a worker down: its rows get a second try in a
+    fresh pool, and the cache ends equal to a clean build."""
+    import psutil
+
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=8, scale=4, seed=9))
+    args = ["--source", str(src), "--no-progress", "preprocess.target_shape=[32,128,128]", "workers=2"]
+    clean, cache = tmp_path / "clean", tmp_path / "cache"
+    assert run_cli("cache.build", "--cache", str(clean), *args).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--cache", str(cache), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and finished_volumes(cache) < 2 and proc.poll() is None:
+        time.sleep(0.02)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.parent() is not None and "forkserver" in " ".join(p.parent().cmdline())]
+    assert proc.poll() is None and workers, "the build finished before a worker could be killed"
+    workers[0].kill()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "a worker died" in err and "retrying" in err
+    assert_same_cache(cache, clean)
