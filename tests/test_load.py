@@ -48,7 +48,7 @@ def test_thousands_of_volumes_build_in_bounded_memory(tmp_path):
         assert len(df) == n and (df.status == "ok").all(), df.error.value_counts()
         sizes[name] = (n, driver, child, time.perf_counter() - t0)
     print("\nload:", {k: f"{n} volumes, driver {d:.0f} MB, worker {c:.0f} MB, {s:.1f}s" for k, (n, d, c, s) in sizes.items()})
-    (n_small, d_small, c_small, _), (n_large, d_large, c_large, _) = sizes["small"], sizes["large"]
+    (_, d_small, c_small, _), (n_large, d_large, c_large, _) = sizes["small"], sizes["large"]
     assert n_large >= 2000
     # nine times the volumes: the driver keeps only rows (a few kB each), workers one volume at a time
     assert d_large - d_small < 60, sizes
