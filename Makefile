@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(if $(zipped),--zipped)
-	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
+	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
@@ -99,7 +99,7 @@ bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
 
 mirror: $(STAMP)
-	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
+	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
 
 manifest: $(STAMP)
 	$(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(strict_flag)
