@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(if $(zipped),--zipped)
-	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
+	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
