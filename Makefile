@@ -130,4 +130,4 @@ pretrain: $(STAMP)
 	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(ARGS)
 
 clean-demo:
-	rm -rf data/demo data/cache
+	rm -rf data/demo data/cache runs/pretrain_smoke

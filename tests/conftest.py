@@ -53,6 +53,19 @@ def finished_volumes(cache: Path) -> int:
     return n
 
 
+def start_build(cache: Path, args: list[str], volumes: int, **popen) -> subprocess.Popen:
+    """Start `python -m cache.build --cache <cache> <args>` and return once `volumes` arrays
+    are in place, for a test to interrupt it; fails if the build ends first."""
+    proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--cache", str(cache), *args], cwd=REPO, **popen)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (cache / "sources.parquet").exists() and finished_volumes(cache) >= volumes:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the build finished before it could be interrupted; make the test data larger"
+    return proc
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,8 +2,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pandas as pd
@@ -12,7 +10,7 @@ import pytest
 from pydicom.data import get_testdata_file
 
 from cache import build, store
-from conftest import REPO, SMALL, assert_same_cache, finished_volumes, run_cli
+from conftest import SMALL, assert_same_cache, run_cli, start_build
 from ingest import preprocess as prep
 from ingest import synth
 from manifests import schema
@@ -133,14 +131,8 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
     moments = [0, *sorted(random.Random(0).sample(range(1, n_ok - 2), 3))]
     for trial, wait_for in enumerate(moments):
         cache = tmp_path / f"killed{trial}"
-        proc = subprocess.Popen([sys.executable, "-m", "cache.build", "--source", str(src), "--cache", str(cache), *args],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if (cache / "sources.parquet").exists() and finished_volumes(cache) >= wait_for:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the build finished before it could be killed; make the test data larger"
+        proc = start_build(cache, ["--source", str(src), *args], wait_for, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         r = run_cli("cache.build", "--source", str(src), "--cache", str(cache), *args)

@@ -311,9 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         png = plot_metrics(trainer.run_dir)
         print(f"pretrain: curves in {png}")
-        print(f"pretrain: {out['steps']} steps in {time.perf_counter() - t0:.1f}s; logged loss "
-              f"{out['first_logged_loss']} -> {out['last_logged_loss']}; skipped updates {out['skipped_updates']}; "
-              f"metrics {out['run_dir']}/metrics.jsonl; checkpoints {out['ckpt_dir']}")
+        if out["first_logged_loss"] is None:
+            print(f"pretrain: nothing to do: the run is at step {trainer.step} of max_steps={cfg.max_steps} "
+                  f"(raise max_steps or change name= to train more); checkpoints {out['ckpt_dir']}")
+        else:
+            print(f"pretrain: {out['steps']} steps in {time.perf_counter() - t0:.1f}s; logged loss "
+                  f"{out['first_logged_loss']} -> {out['last_logged_loss']}; skipped updates {out['skipped_updates']}; "
+                  f"metrics {out['run_dir']}/metrics.jsonl; checkpoints {out['ckpt_dir']}")
     return 0
 
 
