@@ -93,3 +93,32 @@ def test_manifest_cli_writes_parquet(tmp_path):
     assert r.returncode == 3
     r = run_cli("manifests.build", "--source", str(tmp_path / "nowhere"), "--out", str(out))
     assert r.returncode == 2 and "participants.tsv not found" in r.stderr
+
+
+def test_unknown_study_group_gets_a_null_label_and_a_warning(tmp_path):
+    root = make_tree(tmp_path, participants=4, bad_files=False, unlabeled=0)
+    p = root / "participants.tsv"
+    df = pd.read_csv(p, sep="\t", dtype=str)
+    df.loc[0, "study_group"] = "prediabetes_typo"
+    df.to_csv(p, sep="\t", index=False)
+    rows, summary = build.build_sources(str(root))
+    mine = [r for r in rows if r["participant_id"] == df.participant_id[0]]
+    assert mine and all(r["label"] is None and r["manifest_error"] is None for r in mine)
+    assert any("unknown study_group value(s) ['prediabetes_typo']" in w for w in summary["warnings"])
+    assert all(r["label"] is not None for r in rows if r["participant_id"] != df.participant_id[0])
+
+
+def test_duplicate_participants_identical_kept_once_conflicting_refused(tmp_path):
+    root = make_tree(tmp_path, participants=4, bad_files=False)
+    p = root / "participants.tsv"
+    df = pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False)
+    pd.concat([df, df.iloc[[1]]]).to_csv(p, sep="\t", index=False)
+    rows, summary = build.build_sources(str(root))
+    assert summary["participants"] == 4 and any("listed twice" in w for w in summary["warnings"])
+    assert len(rows) == len(pd.read_csv(root / "retinal_oct" / "manifest.tsv", sep="\t"))
+    changed = df.iloc[[1]].copy()
+    changed["study_group"] = "insulin_dependent" if df.study_group[1] != "insulin_dependent" else "healthy"
+    pd.concat([df, changed]).to_csv(p, sep="\t", index=False)
+    with pytest.raises(UsageError, match=rf"participants.tsv: participant_id listed more than once with different "
+                                         rf"values: {df.participant_id[1]}"):
+        build.build_sources(str(root))
