@@ -143,78 +143,89 @@ def pool_context():
     return mp.get_context("spawn")
 
 
+WORKER_CRASHED = ("worker crashed: the process died while decoding this file alone (out of memory or a "
+                  "decoder crash)")
+
+
 def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_row) -> None:
-    """Process rows in a pool of single-threaded workers; rows of a crashed worker get one
-    retry, then fail with a reason. Only a few rows per worker are submitted at a time, so
-    the driver's memory does not grow with the number of files. No max_tasks_per_child: on
-    Python 3.11 a pool that replaces its workers can hang forever (seen here at 128 tasks
-    with 2 workers)."""
+    """Process rows in a pool of single-threaded workers, a few rows per worker submitted at
+    a time so the driver's memory does not grow with the number of files. When a worker
+    dies, every row in flight is a suspect: each is tried again alone, so a file that kills
+    its worker fails by itself and the rows that were merely beside it are cached. No
+    max_tasks_per_child: on Python 3.11 a pool that replaces its workers can hang forever
+    (seen here at 128 tasks with 2 workers)."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
-    window = 4 * workers
     ctx = pool_context()
     cfg_dict = config.to_dict(cfg)
-    attempts: Counter = Counter()
     queue = deque(todo)
     while queue:
-        retry: list[dict] = []
-        with ProcessPoolExecutor(max_workers=min(workers, len(queue)), mp_context=ctx,
-                                 initializer=_init_worker) as pool:
-            futures: dict = {}
-            broken = False
+        suspects = _run_round(queue, min(workers, len(queue)), 4 * workers, ctx, cfg_dict, cache_root, tag, on_row)
+        if suspects:
+            print(f"cache: a worker died (out of memory or a decoder crash?); trying its {len(suspects)} row(s) "
+                  "again one at a time", file=sys.stderr)
+        for row in suspects:
+            if _run_round(deque([row]), 1, 1, ctx, cfg_dict, cache_root, tag, on_row):
+                on_row({**row, "status": "failed", "error": WORKER_CRASHED})
 
-            def top_up() -> None:
-                nonlocal broken
-                while queue and not broken and len(futures) < window:
-                    row = queue.popleft()
+
+def _run_round(queue: deque, workers: int, window: int, ctx, cfg_dict, cache_root, tag, on_row) -> list[dict]:
+    """Feed rows from `queue` to one pool until the queue is empty or a worker dies; returns
+    the rows that were in flight when it died (unsent rows stay queued)."""
+    suspects: list[dict] = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
+        futures: dict = {}
+
+        def top_up() -> None:
+            while queue and not suspects and len(futures) < window:
+                row = queue.popleft()
+                try:
+                    futures[pool.submit(process_row, row, cfg_dict, cache_root, tag)] = row
+                except BrokenProcessPool:
+                    queue.appendleft(row)
+                    return
+
+        try:
+            top_up()
+            while futures:
+                finished, _ = wait(list(futures), timeout=5, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    row = futures.pop(fut)
                     try:
-                        futures[pool.submit(process_row, row, cfg_dict, cache_root, tag)] = row
+                        result = fut.result()
                     except BrokenProcessPool:
-                        queue.appendleft(row)
-                        broken = True
-
-            try:
+                        suspects.append(row)
+                        continue
+                    on_row({**row, **result})
                 top_up()
-                while futures:
-                    finished, _ = wait(list(futures), timeout=5, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        row = futures.pop(fut)
-                        try:
-                            result = fut.result()
-                        except BrokenProcessPool:
-                            broken = True
-                            attempts[row["relpath"]] += 1
-                            if attempts[row["relpath"]] < 2:
-                                retry.append(row)
-                                continue
-                            result = {"status": "failed", "error": "worker crashed: the process died while "
-                                      "decoding this file twice (out of memory or a decoder crash)"}
-                        on_row({**row, **result})
-                    top_up()
-                    on_row(None)  # a tick, so the driver can flush on time
-            except cli.JobAborted:
-                pool.shutdown(wait=True, cancel_futures=True)  # rows already running finish; the rest stay pending
-                for fut, row in futures.items():
-                    if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        on_row({**row, **fut.result()}, check=False)
-                raise
-        if retry:
-            print(f"cache: a worker died (out of memory or a decoder crash?); retrying {len(retry)} row(s) once "
-                  "in a fresh pool", file=sys.stderr)
-        queue.extendleft(reversed(retry))
+                on_row(None)  # a tick, so the driver can flush on time
+        except cli.JobAborted:
+            # stop now: rows still running would each take up to read_retries x read_timeout_s; they stay pending
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.kill()
+            pool.shutdown(wait=True, cancel_futures=True)
+            for fut, row in futures.items():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    on_row({**row, **fut.result()}, check=False)
+            raise
+    return suspects
 
 
-def fail_duplicate_uids(by_path: dict[str, dict]) -> None:
+def fail_duplicate_uids(rows: list[dict]) -> list[dict]:
     """Headers can reveal duplicates manifest.tsv could not (unlisted files): the first path
-    keeps the image, later ones fail. Their arrays stay on disk, unreferenced, so a re-run
-    reuses them and reaches the same verdict."""
-    for rel, first in manifest_build.duplicate_uids(r for r in by_path.values() if r["status"] == "ok").items():
-        row = by_path[rel]
-        row.update(status="failed", volume=None,
-                   error=f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}")
+    keeps the image, later ones fail (in the rows returned; the inputs are not changed).
+    Their arrays stay on disk, unreferenced, so a re-run reuses them and reaches the same
+    verdict. Within one shard: duplicates in different shards are not seen."""
+    dups = manifest_build.duplicate_uids(r for r in rows if r["status"] == "ok")
+    return [{**r, "status": "failed", "volume": None,
+             "error": f"duplicate SOP instance UID: {r['sop_instance_uid']} is also {dups[r['relpath']]}"}
+            if r["relpath"] in dups else r for r in rows]
 
 
-def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> None:
-    rows = list(rows_by_path.values()) + [{**r, "status": "pending"} for r in pending.values()]
+def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> list[dict]:
+    """Write this shard's manifest part (every write, periodic ones included, with duplicate
+    UIDs already failed); returns the rows written."""
+    rows = fail_duplicate_uids(list(rows_by_path.values()))
+    rows += [{**r, "status": "pending"} for r in pending.values()]
     rows.sort(key=lambda r: r["relpath"])
     uri = part_uri(cache_root, shard)
     try:
@@ -224,9 +235,7 @@ def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> Non
             raise
         raise cli.JobAborted(f"disk full: cannot write the manifest part {uri} ({exc.strerror}). The previous "
                              "part and every finished volume are intact: free space and re-run `make cache`.") from None
-
-
-ENVIRONMENT_ERRORS = ("read error", "disk full")
+    return rows
 
 
 class AbortRule:
@@ -322,14 +331,12 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
             run_pool(todo, cfg, cache_root, tag, on_row)
         except cli.JobAborted:
             bar.close()
-            write_part(by_path, pending, cache_root, shard)  # what finished is on record, the rest pending
-            print(summarize(sorted(by_path.values(), key=lambda r: r["relpath"]), reused,
+            written = write_part(by_path, pending, cache_root, shard)  # what finished is on record, the rest pending
+            print(summarize([r for r in written if r["status"] != "pending"], reused,
                             time.perf_counter() - t0, cache_root, shard, pending=len(pending)))
             raise
     bar.close()
-    fail_duplicate_uids(by_path)
-    write_part(by_path, {}, cache_root, shard)
-    out = sorted(by_path.values(), key=lambda r: r["relpath"])
+    out = write_part(by_path, {}, cache_root, shard)
     print(summarize(out, reused, time.perf_counter() - t0, cache_root, shard))
     return out
 

@@ -20,7 +20,7 @@ import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from octfm import fsio
+from octfm import cli, fsio
 
 SUFFIX = ".zip"
 
@@ -83,8 +83,11 @@ def list_members(archive_uri: str, archive_rel: str) -> list[Member]:
     try:
         with open_archive(archive_uri) as zf:
             infos = zf.infolist()
-    except OSError as exc:
+    except PermissionError as exc:
         raise ArchiveError(f"unreadable archive: {archive_uri}: {type(exc).__name__}: {exc}") from None
+    except OSError as exc:  # the store, not the archive: recording it in sources.parquet would make it stick
+        raise cli.JobAborted(f"could not read the archive {archive_uri} ({type(exc).__name__}: {exc}); is the "
+                             "store reachable? Nothing was written: re-run `make manifest`.") from None
     out = []
     for info in infos:
         if info.is_dir():

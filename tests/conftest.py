@@ -26,8 +26,9 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
-def assert_same_cache(cache: Path, clean: Path) -> None:
-    """The same manifest (timings and source URIs aside) and the same bytes in every ok volume."""
+def assert_same_cache(cache: Path, clean: Path, except_paths: tuple[str, ...] = ()) -> None:
+    """The same manifest (timings and source URIs aside) and the same bytes in every ok volume,
+    for every row but `except_paths`."""
     import numpy as np
     import pandas as pd
 
@@ -36,8 +37,9 @@ def assert_same_cache(cache: Path, clean: Path) -> None:
 
     def comparable(root: Path):
         df = pd.read_parquet(root / "manifest.parquet")
+        df = df[~df.relpath.isin(except_paths)]
         df = df.drop(columns=[*schema.TIMING_COLUMNS, "source"]).sort_values("relpath").reset_index(drop=True)
-        return df.astype(str)
+        return df.convert_dtypes().astype(str)  # an int column read as float because of a null in a left-out row
 
     ref = comparable(clean)
     pd.testing.assert_frame_equal(comparable(cache), ref)

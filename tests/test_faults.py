@@ -174,5 +174,55 @@ def test_a_worker_killed_mid_volume_is_retried_and_nothing_is_lost(tmp_path):
     workers[0].kill()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    assert "a worker died" in err and "retrying" in err
+    assert "a worker died" in err and "one at a time" in err
     assert_same_cache(cache, clean)
+
+
+CRASH_HOOK = '''
+import os
+import ingest.dicom as dicom
+_read_volume = dicom.read_volume
+def read_volume(data, *args, **kwargs):
+    if b"OCTFM-CRASH" in data:
+        os._exit(139)  # what a segfaulting decoder looks like to the pool
+    return _read_volume(data, *args, **kwargs)
+dicom.read_volume = read_volume
+'''
+
+
+def test_a_file_that_kills_its_worker_every_time_fails_alone(tmp_path):
+    """The decoder crashes on one file: every row beside it in the pool is suspect, so each is
+    tried again alone; the bad file fails with `worker crashed`, the others are cached."""
+    import pydicom
+
+    src = tmp_path / "ds"
+    synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=10, bad_files=False))
+    bad = sorted(src.rglob("*triton*.dcm"))[0]
+    ds = pydicom.dcmread(bad)
+    ds.ImageComments = "OCTFM-CRASH"
+    ds.save_as(bad)
+    bad_rel = bad.relative_to(src).as_posix()
+    args = ["--source", str(src), "--no-progress", "preprocess.target_shape=[16,64,64]", "workers=2"]
+    clean, cache = tmp_path / "clean", tmp_path / "cache"
+    assert run_cli("cache.build", "--cache", str(clean), *args).returncode == 0
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASH_HOOK)  # loaded by every process: driver, forkserver, workers
+    r = run_cli("cache.build", "--cache", str(cache), *args, env={"PYTHONPATH": f"{hook}{os.pathsep}{REPO}"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "trying its" in r.stderr and "one at a time" in r.stderr
+    df = pd.read_parquet(cache / "manifest.parquet").set_index("relpath")
+    assert df.loc[bad_rel, "status"] == "failed" and df.loc[bad_rel, "error"].startswith("worker crashed"), \
+        df.loc[bad_rel, "error"]
+    assert (df.drop(index=bad_rel).status == "ok").all()
+    assert_same_cache(cache, clean, except_paths=(bad_rel,))
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    (tmp_path / "step_0000004.pt").write_bytes(b"PK\x03\x04 torn")
+    (tmp_path / "latest.pt").write_bytes(b"")
+    warnings: list[str] = []
+    with pytest.raises(RuntimeError, match="no checkpoint in .* reads back whole"):
+        checkpoint.load_newest_good(str(tmp_path), warn=warnings.append)
+    assert len(warnings) == 2
+    assert checkpoint.load_newest_good(str(tmp_path / "empty")) is None  # a new run starts from scratch

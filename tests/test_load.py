@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import psutil
@@ -15,13 +16,18 @@ from manifests import build as manifest_build
 from manifests import splits
 
 
-def _run_watching_memory(cmd: list[str]) -> tuple[int, float, float]:
+def _run_watching_memory(cmd: list[str], log: Path, timeout: float = 600) -> tuple[int, float, float]:
     """Run cmd; returns (status, peak RSS of the driver, peak RSS of any one other process
     in its tree: the forkserver and workers), in MB, sampled every 50 ms."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     driver = psutil.Process(proc.pid)
     peak_driver = peak_child = 0.0
+    deadline = time.time() + timeout
     while proc.poll() is None:
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"{cmd} ran past {timeout}s")
         try:
             peak_driver = max(peak_driver, driver.memory_info().rss / 2**20)
             for child in driver.children(recursive=True):
@@ -29,8 +35,7 @@ def _run_watching_memory(cmd: list[str]) -> tuple[int, float, float]:
         except psutil.Error:
             pass
         time.sleep(0.05)
-    err = proc.stderr.read()
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 0, log.read_text()[-2000:]
     return proc.returncode, peak_driver, peak_child
 
 
@@ -43,7 +48,7 @@ def test_thousands_of_volumes_build_in_bounded_memory(tmp_path):
         t0 = time.perf_counter()
         _, driver, child = _run_watching_memory([
             sys.executable, "-m", "cache.build", "--source", str(src), "--cache", str(cache), "--no-progress",
-            "preprocess.target_shape=[8,32,32]", "workers=2", "flush_every_s=2"])
+            "preprocess.target_shape=[8,32,32]", "workers=2", "flush_every_s=2"], tmp_path / f"{name}.log")
         df = pd.read_parquet(cache / "manifest.parquet")
         assert len(df) == n and (df.status == "ok").all(), df.error.value_counts()
         sizes[name] = (n, driver, child, time.perf_counter() - t0)

@@ -88,9 +88,12 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
             return uri, load(uri, map_location)
         except pickle.UnpicklingError:
             raise
-        except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
+        except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
             warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
                  "trying the one before it")
+    if candidates:  # starting over would overwrite the run's checkpoints
+        raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(candidates)} tried); "
+                           "move them aside to start over, or pass CKPT=...")
     return None
 
 

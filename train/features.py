@@ -31,7 +31,9 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
         enc.load_state_dict(st["target"])
         fs, path = fsio.filesystem(ckpt)
         info = fs.info(path)
-        ident = {"ckpt": str(ckpt), "step": int(st["step"]), "size": int(info.get("size") or 0)}
+        version = info.get("generation") or info.get("mtime") or info.get("updated")  # a re-save at the same step
+        ident = {"ckpt": str(ckpt), "step": int(st["step"]), "size": int(info.get("size") or 0),
+                 "version": str(version) if version is not None else None}
     else:
         cfg = train_cfg
         torch.manual_seed(seed)

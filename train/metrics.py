@@ -36,13 +36,17 @@ def feature_std(features: torch.Tensor) -> float:
 
 def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
     """metrics.jsonl as ({step: train record}, {step: val record}); a resumed run rewrites
-    steps, so the last record of a step wins. Empty when the file is missing."""
+    steps, so the last record of a step wins. Empty when the file is missing; a line cut
+    short by a kill or a full disk is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     train, val = {}, {}
     if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
                 r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and "step" in r:
                 (val if r.get("split") == "val" else train)[r["step"]] = r
     return train, val
 
