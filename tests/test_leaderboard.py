@@ -65,7 +65,8 @@ def test_every_checkpoint_is_probed_once_and_tabled(run_a, signal_cache):
     for _, row in table.iterrows():                     # the pretraining metrics logged at that step
         assert row["pretrain_loss"] == pytest.approx(train_m[row["step"]]["loss"])
         assert row["pretrain_rankme"] == pytest.approx(train_m[row["step"]]["rankme"])
-    assert not (run / "probe" / "leaderboard" / "step_0000000.json").exists()  # latest.pt is not a checkpoint of its own
+    stored = sorted(p.name for p in (run / "probe" / "leaderboard").glob("*.json"))
+    assert stored == [f"step_{s:07d}.json" for s in (2, 4, 6)]  # latest.pt (a copy of step 6) is not probed again
 
     on_disk = pd.read_parquet(run / "leaderboard.parquet")
     assert len(on_disk) == 6 and on_disk["best"].sum() == 2
