@@ -10,6 +10,7 @@ import io
 import os
 import posixpath
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -104,13 +105,42 @@ def safe_relpath(rel: str, required_prefix: str | None = None) -> str:
 
 
 def read_bytes(uri: str, timeout: float | None = None) -> bytes:
-    """The whole object. `timeout` (seconds, object stores only) bounds the call including the
-    client's own retries, which otherwise wait minutes on a store that has gone away; it
-    raises a TimeoutError (an OSError)."""
+    """The whole object. `timeout` (seconds; object stores and ZIP members) bounds the call
+    including the client's own retries, which otherwise wait minutes, or for ever, on a store
+    that has gone away; it raises a TimeoutError (an OSError)."""
+    archive = split_member_uri(uri)
+    if timeout and archive and is_remote(archive[0]):  # opening the archive reads from the store too
+        return _with_deadline(lambda: _cat(uri), timeout, uri)
     fs, path = filesystem(uri)
     if timeout and getattr(fs, "async_impl", False):
         return fs.cat_file(path, timeout=timeout)
     return fs.cat_file(path)
+
+
+def _cat(uri: str) -> bytes:
+    fs, path = filesystem(uri)
+    return fs.cat_file(path)
+
+
+def _with_deadline(fn, timeout: float, what: str):
+    """fn() in a daemon thread, abandoned if it overruns (it ends, or dies with the process):
+    for file systems layered over a remote one, which take no timeout of their own."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True, name="octfm-read")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout:g}s reading {what}")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def exists(uri: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +227,22 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
         checkpoint.load_newest_good(str(tmp_path), warn=warnings.append)
     assert len(warnings) == 2
     assert checkpoint.load_newest_good(str(tmp_path / "empty")) is None  # a new run starts from scratch
+
+
+def test_a_zip_member_read_has_a_deadline_when_the_store_is_away(tmp_path, restartable_gcs):
+    import io
+    import zipfile
+
+    from octfm import fsio
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("1001/x.dcm", b"DICM" * 1000)
+    gcs_bucket("zips").pipe_file("zips/part1.zip", buf.getvalue())
+    uri = "zip://1001/x.dcm::gs://zips/part1.zip"
+    assert fsio.read_bytes(uri, timeout=30) == b"DICM" * 1000
+    restartable_gcs.stop()
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="no answer within 3s"):
+        fsio.read_bytes(uri, timeout=3)
+    assert time.perf_counter() - t0 < 10
