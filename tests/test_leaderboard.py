@@ -139,3 +139,18 @@ def test_the_choice_follows_val_never_test(run_a, tmp_path):
     other = config.load(ProbeConfig, "configs/probe.yaml", [*leaderboard.DEFAULTS, *FAST, "epochs=6"])
     out = leaderboard.run([str(b)], other, progress=False)   # new settings: every checkpoint on disk again
     assert [s for _, s in out["probed"]] == steps[:-1] and last not in set(out["table"]["step"])
+
+
+def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_path):
+    from train import checkpoint, probe
+
+    run = tmp_path / "a"
+    shutil.copytree(run_a / "runs" / "a", run)
+    ckdir = run / "checkpoints"
+    whole = ckdir / "step_0000004.pt"
+    torn = ckdir / "step_0000008.pt"   # a save a kill interrupted, or a copy still in flight
+    torn.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert checkpoint.is_whole(str(whole)) and not checkpoint.is_whole(str(torn))
+    assert probe.resolve_checkpoint(ProbeConfig(run=str(run))) == str(ckdir / "step_0000004.pt")
+    done, todo = leaderboard.Board(fast_cfg()).plan(str(run))
+    assert 8 not in done and [step for step, _, _ in todo if step == 8] == []

@@ -249,6 +249,8 @@ def test_resume_prefers_the_newest_step_file_over_a_stale_latest(tmp_path):
     """A kill between writing step_<N>.pt and latest.pt must not lose step N."""
     checkpoint.save({"step": 3}, str(tmp_path), 3)
     (tmp_path / "step_0000006.pt").write_bytes((tmp_path / "latest.pt").read_bytes())
-    assert checkpoint.latest(str(tmp_path)).endswith("step_0000006.pt")
+    assert checkpoint.newest_whole(str(tmp_path)).endswith("step_0000006.pt")
+    uri, state = checkpoint.load_newest_good(str(tmp_path))
+    assert uri.endswith("step_0000006.pt") and state["step"] == 3
     checkpoint.save({"step": 9}, str(tmp_path), 9, keep_last=2)
     assert checkpoint.list_steps(str(tmp_path)) == [6, 9]

@@ -64,14 +64,28 @@ def load(uri: str, map_location="cpu") -> dict:
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
-def latest(ckpt_dir: str) -> str | None:
-    """The newest checkpoint: the highest step_<N>.pt (a kill between writing it and
-    latest.pt must not lose it), else latest.pt."""
-    steps = list_steps(ckpt_dir)
-    if steps:
-        return fsio.join(ckpt_dir, f"step_{steps[-1]:07d}.pt")
-    uri = fsio.join(ckpt_dir, "latest.pt")
-    return uri if fsio.exists(uri) else None
+def is_whole(uri: str) -> bool:
+    """A torch checkpoint is a ZIP whose directory sits at the end: a file cut short has lost
+    it. Reads only the tail, so commands that load a checkpoint later can pick one cheaply."""
+    fs, path = fsio.filesystem(uri)
+    try:
+        with fs.open(path, "rb") as f, zipfile.ZipFile(f):
+            return True
+    except (zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def newest_whole(ckpt_dir: str, warn=print) -> str | None:
+    """The newest step_<N>.pt that is whole (else latest.pt when whole), warning about the
+    ones skipped; None when there is none."""
+    candidates = [fsio.join(ckpt_dir, f"step_{s:07d}.pt") for s in reversed(list_steps(ckpt_dir))]
+    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
+        candidates.append(fsio.join(ckpt_dir, "latest.pt"))
+    for uri in candidates:
+        if is_whole(uri):
+            return uri
+        warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
+    return None
 
 
 def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:

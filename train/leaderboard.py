@@ -104,8 +104,10 @@ class Board:
             rec = _load_json(stored_path(run, step))
             if self.fresh(rec, ident):
                 done[step] = {**rec, "ckpt": uri, "ckpt_exists": True}
-            else:
+            elif checkpoint.is_whole(uri):
                 todo.append((step, uri, ident))
+            else:  # being written by a live run, or torn: a later call probes it when whole
+                print(f"leaderboard: skipping {uri}: cut short (no ZIP directory)", file=sys.stderr)
         # a pruned checkpoint (keep_last) keeps its place on the board, but cannot be chosen
         for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json")):
             rec = _load_json(path)

@@ -68,7 +68,7 @@ def resolve_checkpoint(cfg: ProbeConfig) -> str:
         return cfg.ckpt
     if cfg.run:
         ckpt_dir = run_checkpoint_dir(cfg.run)
-        uri = checkpoint.latest(ckpt_dir)
+        uri = checkpoint.newest_whole(ckpt_dir)
         if uri:
             return uri
         raise cli.UsageError(f"run: no checkpoint under {ckpt_dir}")
