@@ -14,6 +14,7 @@ skipped. One bad archive fails its own members; the others proceed.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -80,6 +81,13 @@ def already_there(dst_uri: str, size: int, crc: int, existing: dict, rel: str) -
     return existing.get(rel) == size and file_crc(dst_uri) == crc
 
 
+def stop_if_disk_full(exc: BaseException, dst: str) -> None:
+    """A full disk is not the member's fault and would fail every one left: stop the job."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise cli.JobAborted(f"disk full under DST={dst} ({exc.strerror}). Files written so far are verified and "
+                             "kept; nothing partial is left: free space and re-run `make expand`.") from None
+
+
 def expand_archive(source: str, dst: str, rel: str, members: list[archives.Member], existing: dict,
                    tick) -> list[dict]:
     """Write one archive's members; each member's outcome is a result row."""
@@ -103,6 +111,7 @@ def expand_archive(source: str, dst: str, rel: str, members: list[archives.Membe
                         copy_verified(f, fsio.join(dst, m.relpath), m.size, m.crc)
                     results.append({"path": m.relpath, "status": "copied", "bytes": m.size})
                 except Exception as exc:  # noqa: BLE001 - one bad member never stops the others
+                    stop_if_disk_full(exc, dst)
                     reason = archives.read_failure(exc, m.uri) or f"{type(exc).__name__}: {exc}"
                     results.append({"path": m.relpath, "status": "failed", "error": reason, "bytes": 0})
                 tick(m.size)
@@ -125,6 +134,7 @@ def copy_plain(source: str, dst: str, rel: str, size: int, existing: dict, tick)
             raise VerifyError("bad CRC: the destination's CRC-32 differs from the bytes written")
         return [{"path": rel, "status": "copied", "bytes": size}]
     except Exception as exc:  # noqa: BLE001
+        stop_if_disk_full(exc, dst)
         return [{"path": rel, "status": "failed", "error": f"{type(exc).__name__}: {exc}", "bytes": 0}]
     finally:
         tick(size)
@@ -163,6 +173,7 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
                 seen[m.relpath] = rel
                 keep.append(m)
         jobs[rel] = keep
+    fsio.remove_stale_temps(dst, recursive=True)  # temp files of a run killed mid-write
     existing = list_tree(dst)
     total = sum(m.size for ms in jobs.values() for m in ms) + sum(plain.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="expand", disable=not progress, file=sys.stderr)

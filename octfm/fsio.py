@@ -200,6 +200,20 @@ def atomic_writer(uri: str):
         raise
 
 
+def remove_stale_temps(root: str, recursive: bool = False) -> int:
+    """Delete the temp files of atomic writes a crash interrupted (`.<name>.tmp-...`) under a
+    local folder; object stores keep none (an unfinished upload is never visible)."""
+    if is_remote(root) or not os.path.isdir(root):
+        return 0
+    n = 0
+    for dirpath, _, files in os.walk(root) if recursive else [(root, None, os.listdir(root))]:
+        for name in files:
+            if name.startswith(".") and ".tmp-" in name and os.path.isfile(os.path.join(dirpath, name)):
+                os.unlink(os.path.join(dirpath, name))
+                n += 1
+    return n
+
+
 def write_parquet_atomic(table, uri: str) -> None:
     """Serialise a pyarrow Table to Parquet and write it atomically."""
     import pyarrow.parquet as pq

@@ -180,6 +180,22 @@ def upload_tree(endpoint: str, bucket: str, root) -> int:
     return n
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 (B2 speaks S3); yields its endpoint URL."""

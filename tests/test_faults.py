@@ -65,22 +65,6 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_one_before(tiny_cache, tmp_pa
     assert checkpoint.load(str(ckdir / "latest.pt"))["step"] == 10
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "small_disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_full_disk_stops_the_build_cleanly_and_a_rerun_completes(tmp_path, small_tmpfs):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=6, bad_files=False))
@@ -246,3 +230,28 @@ def test_a_zip_member_read_has_a_deadline_when_the_store_is_away(tmp_path, resta
     with pytest.raises(TimeoutError, match="no answer within 3s"):
         fsio.read_bytes(uri, timeout=3)
     assert time.perf_counter() - t0 < 10
+
+
+def test_expand_onto_a_full_disk_stops_cleanly_and_a_rerun_completes(tmp_path, small_tmpfs):
+    cfg = dict(participants=8, scale=4, seed=11, bad_files=False)
+    synth.generate(tmp_path / "plain", synth.SynthConfig(**cfg))
+    synth.generate(tmp_path / "zipped", synth.SynthConfig(**cfg, zipped=True))
+    dst = small_tmpfs / "expanded"
+    (dst / "retinal_oct").mkdir(parents=True)
+    stale = dst / "retinal_oct" / ".manifest.tsv.tmp-abc123"  # left by an earlier run killed mid-write
+    stale.write_bytes(b"partial")
+    expand = ["--source", str(tmp_path / "zipped"), "--dst", str(dst), "--no-progress", "--workers", "1"]
+    r = run_cli("ingest.expand", *expand)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "error: disk full under DST" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not [p for p in dst.rglob("*") if ".tmp-" in p.name], "temp files left on the full disk"
+    plain = {p.relative_to(tmp_path / "plain").as_posix(): p.read_bytes()
+             for p in (tmp_path / "plain").rglob("*") if p.is_file()}
+    written = {p.relative_to(dst).as_posix(): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    assert written and all(written[k] == plain[k] for k in written), "a file on disk differs from its source"
+    assert len(written) < len(plain)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    r = run_cli("ingest.expand", *expand)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {p.relative_to(dst).as_posix(): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    assert got == plain

@@ -6,7 +6,6 @@ loader accepts it and a checkpoint with a pickled object is refused.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import posixpath
 import random
@@ -110,12 +109,3 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
                            "move them aside to start over, or pass CKPT=...")
     return None
 
-
-def remove_stale_temps(ckpt_dir: str) -> int:
-    """Temp files of saves a crash interrupted (local folders; object uploads leave none)."""
-    if fsio.is_remote(ckpt_dir) or not os.path.isdir(ckpt_dir):
-        return 0
-    stale = [n for n in os.listdir(ckpt_dir) if n.startswith(".") and ".pt.tmp-" in n]
-    for n in stale:
-        os.unlink(os.path.join(ckpt_dir, n))
-    return len(stale)

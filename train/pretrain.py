@@ -128,7 +128,7 @@ class Trainer:
             uri, st = ckpt, checkpoint.load(ckpt)
         else:
             if self.rt.is_master:
-                checkpoint.remove_stale_temps(self.ckpt_dir)
+                fsio.remove_stale_temps(self.ckpt_dir)  # of saves a kill interrupted
             found = checkpoint.load_newest_good(self.ckpt_dir, warn=print if self.rt.is_master else lambda _: None)
             if found is None:
                 return None
