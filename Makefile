@@ -74,6 +74,7 @@ demo: $(STAMP)
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
 	$(PY) -m train.probe --config configs/probe.yaml run=runs/pretrain_smoke
+	$(PY) -m train.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
 	$(PY) -m octfm.report --cache $(CACHE) --run runs/pretrain_smoke
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
