@@ -164,7 +164,6 @@ def run(workdir: Path, quick: bool = False):
                d_speedup=round(p1 / pn, 2), d_end_to_end_one_worker_s=round(t1, 2),
                d_end_to_end_all_workers_s=round(tn, 2), d_end_to_end_speedup=round(t1 / tn, 2))
     # (f) make manifest at AI-READI scale: 25,000 listed files (placeholders; nothing is decoded)
-    from ingest import synth
     from manifests import build as manifest_build
 
     big = workdir / "ds_25k"

@@ -8,7 +8,6 @@ becomes a failed row; a crashed worker is retried once, then its row fails.
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -205,7 +204,7 @@ def _run_round(queue: deque, workers: int, window: int, ctx, cfg_dict, cache_roo
             pool.shutdown(wait=True, cancel_futures=True)
             for fut, row in futures.items():
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    on_row({**row, **fut.result()}, check=False)
+                    on_row({**row, **fut.result()})
             raise
     return suspects
 
@@ -231,7 +230,7 @@ def write_part(rows_by_path: dict, pending: dict, cache_root: str, shard) -> lis
     try:
         fsio.write_parquet_atomic(schema.to_table(rows, schema.CACHE_SCHEMA), uri)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not fsio.is_disk_full(exc):
             raise
         raise cli.JobAborted(f"disk full: cannot write the manifest part {uri} ({exc.strerror}). The previous "
                              "part and every finished volume are intact: free space and re-run `make cache`.") from None
@@ -244,11 +243,15 @@ class AbortRule:
     has gone away). Bad files do not count: they fail one at a time, mixed with good ones."""
 
     def __init__(self, limit: int, cache_root: str):
-        self.limit, self.cache_root, self.streak = limit, cache_root, 0
+        self.limit, self.cache_root, self.streak, self.fired = limit, cache_root, 0, False
 
     def check(self, row: dict) -> None:
-        reason = (row.get("error") or "").split(":")[0] if row["status"] == "failed" else ""
+        """Raise JobAborted once; rows that finish while the job stops are only recorded."""
+        if self.fired:
+            return
+        reason = cli.reason(row.get("error")) if row["status"] == "failed" else ""
         self.streak = self.streak + 1 if reason == "read error" else 0
+        self.fired = reason == "disk full" or bool(self.limit and self.streak >= self.limit)
         if reason == "disk full":
             raise cli.JobAborted(f"disk full under {self.cache_root} (while writing {row['relpath']}). Finished "
                                  "volumes are kept and the manifest lists the rest as pending or failed: free "
@@ -285,7 +288,7 @@ def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, sh
                              [(d, c["ok"], c["failed"]) for d, c in sorted(per_dev.items())] +
                              [("total", sum(c["ok"] for c in per_dev.values()),
                                sum(c["failed"] for c in per_dev.values()))])
-    reasons = Counter(r["error"].split(":")[0] for r in rows if r["status"] == "failed" and r.get("error"))
+    reasons = Counter(cli.reason(r["error"]) for r in rows if r["status"] == "failed" and r.get("error"))
     lines = [table]
     if reasons:
         lines.append(cli.format_table(["failure reason", "files"], reasons.most_common()))
@@ -311,16 +314,18 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     last_flush = time.monotonic()
     abort = AbortRule(cfg.abort_after_read_errors, cache_root)
 
-    def on_row(row: dict | None, check: bool = True) -> None:
-        nonlocal last_flush
+    failed = sum(r["status"] == "failed" for r in by_path.values())
+
+    def on_row(row: dict | None) -> None:
+        nonlocal last_flush, failed
         if row is not None:
             row = {k: row.get(k) for k in schema.CACHE_SCHEMA.names}
             by_path[row["relpath"]] = row
             pending.pop(row["relpath"], None)
+            failed += row["status"] == "failed"
             bar.update(1)
-            bar.set_postfix(failed=sum(r["status"] == "failed" for r in by_path.values()), refresh=False)
-            if check:
-                abort.check(row)
+            bar.set_postfix(failed=failed, refresh=False)
+            abort.check(row)
         if time.monotonic() - last_flush > cfg.flush_every_s:
             write_part(by_path, pending, cache_root, shard)
             last_flush = time.monotonic()

@@ -5,7 +5,6 @@ torch, once; workers then start in milliseconds.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -115,7 +114,7 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
     except BadInput as exc:
         out.update(status="failed", error=str(exc), volume=None)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not fsio.is_disk_full(exc):
             out.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}", volume=None)
         else:
             out.update(status="failed", volume=None,

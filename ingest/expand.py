@@ -14,7 +14,6 @@ skipped. One bad archive fails its own members; the others proceed.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 import time
@@ -83,7 +82,7 @@ def already_there(dst_uri: str, size: int, crc: int, existing: dict, rel: str) -
 
 def stop_if_disk_full(exc: BaseException, dst: str) -> None:
     """A full disk is not the member's fault and would fail every one left: stop the job."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if fsio.is_disk_full(exc):
         raise cli.JobAborted(f"disk full under DST={dst} ({exc.strerror}). Files written so far are verified and "
                              "kept; nothing partial is left: free space and re-run `make expand`.") from None
 
@@ -201,7 +200,7 @@ def summarize(s: dict, source: str, dst: str) -> str:
         lines.append(f"unreadable archive, none of its members written: {r['error']}")
     failed = [r for r in res if r["status"] == "failed" and not r.get("archive")]
     if failed:
-        reasons = Counter(r["error"].split(":")[0] for r in failed)
+        reasons = Counter(cli.reason(r["error"]) for r in failed)
         lines.append(cli.format_table(["failure reason", "files"], reasons.most_common()))
         lines += [f"failed: {r['path']}: {r['error']}" for r in failed[:20]]
     return "\n".join(lines)

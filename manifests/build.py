@@ -192,7 +192,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     summary = {
         "participants": len(participants), "resplit": n_resplit, "rows": len(rows),
         "unlisted": sum(not r["listed"] for r in rows),
-        "row_errors": Counter((r["manifest_error"] or "").split(":")[0] for r in rows if r["manifest_error"]),
+        "row_errors": Counter(cli.reason(r["manifest_error"]) for r in rows if r["manifest_error"]),
         "devices": Counter(r["device"] for r in rows), "splits": Counter(r["split"] for r in rows),
         "mirror_hashes": sum(bool(r["expected_sha1"] or r["expected_md5"]) for r in rows),
         "warnings": warnings, "archives": _archive_summary(zips, listing, rows),

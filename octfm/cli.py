@@ -61,6 +61,12 @@ def report_verification(cmd: str, problems: list[str], verified: str) -> int:
     return EXIT_OK
 
 
+def reason(error: str | None) -> str:
+    """The category of a failure message: the text before its first ':' (every stage writes
+    `<category>: <detail>`), so summaries can count failures by kind."""
+    return (error or "").split(":", 1)[0].strip()
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain fixed-width text table for end-of-command summaries."""
     cells = [[str(h) for h in header]] + [[("" if v is None else str(v)) for v in r] for r in rows]

@@ -6,6 +6,7 @@ real GCS differ only in environment (STORAGE_EMULATOR_HOST), never in code paths
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import posixpath
@@ -110,16 +111,16 @@ def read_bytes(uri: str, timeout: float | None = None) -> bytes:
     that has gone away; it raises a TimeoutError (an OSError)."""
     archive = split_member_uri(uri)
     if timeout and archive and is_remote(archive[0]):  # opening the archive reads from the store too
-        return _with_deadline(lambda: _cat(uri), timeout, uri)
+        return _with_deadline(lambda: read_bytes(uri), timeout, uri)
     fs, path = filesystem(uri)
     if timeout and getattr(fs, "async_impl", False):
         return fs.cat_file(path, timeout=timeout)
     return fs.cat_file(path)
 
 
-def _cat(uri: str) -> bytes:
-    fs, path = filesystem(uri)
-    return fs.cat_file(path)
+def is_disk_full(exc: BaseException) -> bool:
+    """No space (or quota) left: the environment's fault, not the file's."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _with_deadline(fn, timeout: float, what: str):

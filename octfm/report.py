@@ -18,7 +18,6 @@ import argparse
 import base64
 import dataclasses
 import html
-import io
 import json
 import math
 import time
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from cache import store
 from ingest import dicom
-from ingest.preprocess import subsample_strides
+from ingest.preprocess import subsample
 from manifests import schema
 from octfm import cli, fsio
 from train import plots
@@ -83,23 +82,6 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def to_png(fig, dpi: int = 72) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    _pyplot().close(fig)
-    return buf.getvalue()
-
-
-# ------------------------------------------------------------------ the cache tables
 def load_manifest(cache: str) -> pd.DataFrame:
     uri = fsio.join(cache, "manifest.parquet")
     if not fsio.exists(uri):
@@ -118,7 +100,7 @@ def reason_category(status: str, error: str | None) -> str:
     """Manifest reasons start with a category before ':' ("not DICOM: ...")."""
     if status != "failed":
         return status or "unknown"
-    return (str(error or "").split(":", 1)[0].strip() or "no reason")[:80]
+    return (cli.reason(error) or "no reason")[:80]
 
 
 def device_counts(df: pd.DataFrame) -> list[list]:
@@ -157,7 +139,6 @@ def window_rows(df: pd.DataFrame) -> list[list]:
 @dataclasses.dataclass
 class View:
     """What the page shows of one cached volume (the volume itself is not kept)."""
-    row: dict
     bscan: np.ndarray          # central frame [H, W], uint8
     enface: np.ndarray         # mean over depth [D, W], float
     hist: np.ndarray           # 256 counts of the stored uint8 values
@@ -183,7 +164,7 @@ def read_views(cache: str, groups: dict, progress: bool) -> tuple[dict, list[str
         except Exception as exc:  # noqa: BLE001 - the page says which volume could not be read
             problems.append(f"{r['volume']}: {type(exc).__name__}: {exc}")
             continue
-        views[r["volume"]] = View(r, vol[vol.shape[0] // 2].copy(), vol.mean(axis=1, dtype=np.float32),
+        views[r["volume"]] = View(vol[vol.shape[0] // 2].copy(), vol.mean(axis=1, dtype=np.float32),
                                   np.bincount(vol.ravel(), minlength=256))
     return views, problems
 
@@ -204,7 +185,7 @@ def montage_png(groups: dict, views: dict) -> bytes | None:
     groups = {k: v for k, v in groups.items() if v}
     if not groups:
         return None
-    plt = _pyplot()
+    plt = plots.pyplot()
     per = max(len(v) for v in groups.values())
     fig, axes = plt.subplots(len(groups), 2 * per, figsize=(2.3 * 2 * per, 2.5 * len(groups)), squeeze=False)
     for ax in axes.flat:
@@ -223,15 +204,14 @@ def montage_png(groups: dict, views: dict) -> bytes | None:
             flip = list(r.get("flipped_axes") or [])
             ax_e.set_title(f"en-face (frame 0 top)\nflipped axes {flip}", fontsize=7)
     fig.tight_layout()
-    return to_png(fig)
+    return plots.to_png(fig)
 
 
 def source_histogram(row: dict) -> tuple[np.ndarray, np.ndarray]:
     """Histogram of the decoded source (strided subsample of about HIST_VOXELS voxels)."""
     vol = dicom.read_volume(fsio.read_bytes(row["source"]), accept_any_sop=True)  # the cache accepted it already
     px = vol.pixels
-    strides = subsample_strides(px.shape, HIST_VOXELS)
-    sub = px[tuple(slice(s // 2, None, s) for s in strides)].ravel()
+    sub = subsample(px, HIST_VOXELS).ravel()
     top = 256 if px.dtype == np.uint8 else int(sub.max()) + 1
     return np.histogram(sub, bins=min(256, top), range=(0, top))
 
@@ -245,7 +225,7 @@ def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -
     if not by_device:
         return None, []
     problems = []
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, axes = plt.subplots(len(by_device), 2, figsize=(12, 2.6 * len(by_device)), squeeze=False)
     todo = [(d, i, r) for d, rows in by_device.items() for i, r in enumerate(rows)]
     rows_of = {d: k for k, d in enumerate(by_device)}
@@ -274,7 +254,7 @@ def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -
             if ax.has_data():
                 ax.legend(fontsize=7)
     fig.tight_layout()
-    return to_png(fig), problems
+    return plots.to_png(fig), problems
 
 
 # ------------------------------------------------------------------ the run
@@ -339,7 +319,7 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
     if not run_dir.is_dir():
         return parts + [note(f"{run_dir}: no such run folder")], 0
     train, val = read_metrics(run_dir)
-    png = plots.curves_png(run_dir)
+    png = plots.curves_png((train, val), run_dir.name)
     if png is None:
         parts.append(note(f"{run_dir}/metrics.jsonl: no training rows yet"))
     else:

@@ -35,17 +35,39 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p[-2], tuple(p[:-2]), p[-1]))
 
 
+def step_uri(ckpt_dir: str, step: int) -> str:
+    return fsio.join(ckpt_dir, f"step_{step:07d}.pt")
+
+
+def candidates(ckpt_dir: str) -> list[str]:
+    """Checkpoints to resume or probe from, newest first: every step_<N>.pt, then latest.pt
+    (a kill between the two writes must not lose step N)."""
+    out = [step_uri(ckpt_dir, s) for s in reversed(list_steps(ckpt_dir))]
+    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
+        out.append(fsio.join(ckpt_dir, "latest.pt"))
+    return out
+
+
+def identity(uri: str) -> dict:
+    """Name, size and modification time (or object generation): a checkpoint re-saved at the
+    same step (a resumed run) reads as new; one moved or copied with its times does not."""
+    fs, path = fsio.filesystem(uri)
+    info = fs.info(path)
+    modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
+    return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
+
+
 def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
     """Write step_<N>.pt then latest.pt, each atomically; prune beyond keep_last."""
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
-    path = fsio.join(ckpt_dir, f"step_{step:07d}.pt")
+    path = step_uri(ckpt_dir, step)
     fsio.atomic_write_bytes(path, data)
     fsio.atomic_write_bytes(fsio.join(ckpt_dir, "latest.pt"), data)
     if keep_last:
         for old in list_steps(ckpt_dir)[:-keep_last]:
-            fs, p = fsio.filesystem(fsio.join(ckpt_dir, f"step_{old:07d}.pt"))
+            fs, p = fsio.filesystem(step_uri(ckpt_dir, old))
             fs.rm(p)
     return path
 
@@ -77,10 +99,7 @@ def is_whole(uri: str) -> bool:
 def newest_whole(ckpt_dir: str, warn=print) -> str | None:
     """The newest step_<N>.pt that is whole (else latest.pt when whole), warning about the
     ones skipped; None when there is none."""
-    candidates = [fsio.join(ckpt_dir, f"step_{s:07d}.pt") for s in reversed(list_steps(ckpt_dir))]
-    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
-        candidates.append(fsio.join(ckpt_dir, "latest.pt"))
-    for uri in candidates:
+    for uri in candidates(ckpt_dir):
         if is_whole(uri):
             return uri
         warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
@@ -93,10 +112,8 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
     A file cut short (a crash mid-copy, a full disk under another writer) is skipped with a
     warning naming it. A refused pickle is not skipped: that is an error, not wear.
     """
-    candidates = [fsio.join(ckpt_dir, f"step_{s:07d}.pt") for s in reversed(list_steps(ckpt_dir))]
-    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
-        candidates.append(fsio.join(ckpt_dir, "latest.pt"))
-    for uri in candidates:
+    tried = candidates(ckpt_dir)
+    for uri in tried:
         try:
             return uri, load(uri, map_location)
         except pickle.UnpicklingError:
@@ -104,8 +121,8 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
         except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
             warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
                  "trying the one before it")
-    if candidates:  # starting over would overwrite the run's checkpoints
-        raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(candidates)} tried); "
+    if tried:  # starting over would overwrite the run's checkpoints
+        raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(tried)} tried); "
                            "move them aside to start over, or pass CKPT=...")
     return None
 

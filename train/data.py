@@ -17,6 +17,16 @@ from octfm.cli import UsageError
 from train import masks as M
 from train.config import DataConfig, MaskConfig
 
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
+
+
+def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
+    """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter (shared by
+    the trainer and the probes' feature extraction)."""
+    x = x_u8.float().div_(255.0)
+    x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
+    return (x - PIXEL_MEAN) / PIXEL_STD
+
 
 def select_rows(cache: str, splits, devices) -> list[dict]:
     """Manifest rows usable for training: status ok, in the splits and devices asked for."""

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 
 from cache import store
 from octfm import config, fsio
-from train import checkpoint
+from train import checkpoint, data
 from train.config import TrainConfig
 from train.model import Encoder
-from train.pretrain import normalize
 
 FEATURE_VERSION = "1"
 
@@ -29,11 +28,7 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
         cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
         enc = Encoder(cfg.model, cfg.data.input_shape)
         enc.load_state_dict(st["target"])
-        fs, path = fsio.filesystem(ckpt)
-        info = fs.info(path)
-        version = info.get("generation") or info.get("mtime") or info.get("updated")  # a re-save at the same step
-        ident = {"ckpt": str(ckpt), "step": int(st["step"]), "size": int(info.get("size") or 0),
-                 "version": str(version) if version is not None else None}
+        ident = {"ckpt": str(ckpt), "step": int(st["step"]), **checkpoint.identity(ckpt)}
     else:
         cfg = train_cfg
         torch.manual_seed(seed)
@@ -61,7 +56,7 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
             vols.append(torch.from_numpy(np.ascontiguousarray(center_crop(v, cfg.data.input_shape)))[None])
         x = torch.stack(vols).to(device)
         aug = torch.tensor([[1.0, 0.0]] * len(vols), device=device)
-        h = enc(normalize(x, aug)).float()                                      # [b, N, d]
+        h = enc(data.normalize(x, aug)).float()                                      # [b, N, d]
         pooled.append(h.mean(1).cpu())
         g = enc.grid
         grid = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *g)

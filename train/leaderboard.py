@@ -16,7 +16,6 @@ import argparse
 import hashlib
 import json
 import math
-import posixpath
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from octfm import cli, config, fsio
-from train import checkpoint, probe
+from train import checkpoint, plots, probe
 from train.metrics import read_metrics
 from train.probe import ProbeConfig
 
@@ -49,15 +48,6 @@ def result_settings(cfg: ProbeConfig) -> dict:
 def settings_key(cfg: ProbeConfig) -> str:
     blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def ckpt_identity(uri: str) -> dict:
-    """Name, size and modification time: a checkpoint rewritten at the same step (a resumed
-    run) is probed again; a run folder moved or copied with its times is not."""
-    fs, path = fsio.filesystem(uri)
-    info = fs.info(path)
-    modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
-    return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
 
 
 def stored_path(run: str, step: int) -> Path:
@@ -97,11 +87,13 @@ class Board:
         """(stored results that hold, by step; checkpoints to probe as (step, uri, identity))."""
         ckpt_dir = probe.run_checkpoint_dir(run)
         steps = checkpoint.list_steps(ckpt_dir)
+        stored = {rec.get("step"): rec for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json"))
+                  if (rec := _load_json(path))}
         done, todo = {}, []
         for step in steps:
-            uri = fsio.join(ckpt_dir, f"step_{step:07d}.pt")
-            ident = ckpt_identity(uri)
-            rec = _load_json(stored_path(run, step))
+            uri = checkpoint.step_uri(ckpt_dir, step)
+            ident = checkpoint.identity(uri)
+            rec = stored.get(step)
             if self.fresh(rec, ident):
                 done[step] = {**rec, "ckpt": uri, "ckpt_exists": True}
             elif checkpoint.is_whole(uri):
@@ -109,10 +101,9 @@ class Board:
             else:  # being written by a live run, or torn: a later call probes it when whole
                 print(f"leaderboard: skipping {uri}: cut short (no ZIP directory)", file=sys.stderr)
         # a pruned checkpoint (keep_last) keeps its place on the board, but cannot be chosen
-        for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json")):
-            rec = _load_json(path)
-            if rec and rec.get("step") not in steps and self.fresh(rec, None):
-                done[rec["step"]] = {**rec, "ckpt_exists": False}
+        for step, rec in stored.items():
+            if step not in steps and self.fresh(rec, None):
+                done[step] = {**rec, "ckpt_exists": False}
         return done, todo
 
     def probe(self, run: str, step: int, uri: str, ident: dict) -> dict:
@@ -234,10 +225,7 @@ def markdown(table: pd.DataFrame) -> str:
 def plot(table: pd.DataFrame, out: Path) -> None:
     """Score against training step: a column per task, balanced accuracy and AUROC rows; per
     run one colour, val solid, test dashed with its interval shaded, the chosen checkpoint starred."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     tasks = list(dict.fromkeys(table["task"]))

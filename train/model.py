@@ -6,12 +6,14 @@ Attention is PyTorch SDPA. Positions are fixed 3D sin-cos embeddings.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from train import masks
 from train.config import ModelConfig
 
 
@@ -85,7 +87,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, input_shape):
         super().__init__()
-        self.grid = tuple(int(s) // int(t) for s, t in zip(input_shape, cfg.tubelet))
+        self.grid = dataclasses.astuple(masks.grid_for(input_shape, cfg.tubelet))
         self.patch = nn.Conv3d(1, cfg.dim, kernel_size=tuple(cfg.tubelet), stride=tuple(cfg.tubelet))
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))

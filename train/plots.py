@@ -13,16 +13,32 @@ PANELS = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm
           ("samples_per_s", "throughput (samples/s)"), ("data_wait_frac", "data wait fraction")]
 
 
-def curves_png(run_dir: str | Path, dpi: int = 80) -> bytes | None:
-    """The curves figure as PNG bytes, or None when the run logged no training rows."""
-    train, val = read_metrics(run_dir)
-    if not train:
-        return None
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display on servers), imported late:
+    commands that draw nothing do not pay for it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def to_png(fig, dpi: int = 72) -> bytes:
+    """A figure as PNG bytes; the figure is closed."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
+def curves_png(records: tuple[dict[int, dict], dict[int, dict]], title: str, dpi: int = 80) -> bytes | None:
+    """The curves figure for read_metrics' (train, val) records as PNG bytes, or None when
+    there are no training rows."""
+    train, val = records
+    if not train:
+        return None
+    plt = pyplot()
     steps = sorted(train)
     fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
     for ax, (key, title) in zip(axes.flat, PANELS):
@@ -36,17 +52,14 @@ def curves_png(run_dir: str | Path, dpi: int = 80) -> bytes | None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(Path(run_dir).name)
+    fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
-    return buf.getvalue()
+    return to_png(fig, dpi)
 
 
 def plot_metrics(run_dir: str | Path) -> Path | None:
     """Write <run_dir>/curves.png; None when there is nothing to plot."""
-    png = curves_png(run_dir)
+    png = curves_png(read_metrics(run_dir), Path(run_dir).name)
     if png is None:
         return None
     out = Path(run_dir) / "curves.png"

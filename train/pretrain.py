@@ -23,16 +23,6 @@ from train import checkpoint, data, masks, metrics, runtime, schedule
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, target_features
 
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
-
-
-def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
-    """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter."""
-    x = x_u8.float().div_(255.0)
-    x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
-    return (x - PIXEL_MEAN) / PIXEL_STD
-
-
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: no weight decay on biases, norms and the mask token (1-D parameters)."""
     decay, no_decay = [], []
@@ -174,7 +164,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=rt.device)
         targets = None
         for i, b in enumerate(batches):
-            x = normalize(b["x"], b["aug"])
+            x = data.normalize(b["x"], b["aug"])
             with rt.autocast():
                 targets = target_features(self.target, x)
             with rt.no_sync(net, i < accum - 1), rt.autocast():
@@ -184,8 +174,8 @@ class Trainer:
         loss = loss_sum / accum
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)  # pre-clip norm
         ok = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss < cfg.optim.spike_factor * self.loss_mean)
+        okf = ok.float()
         if rt.kind == "xla":  # no host sync: zero the update instead of branching
-            okf = ok.float()
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(okf)
@@ -195,7 +185,6 @@ class Trainer:
             self.opt.step()
             ema_update(self.target, self.model.encoder, self.momentum)
         self.opt.zero_grad(set_to_none=True)
-        okf = ok.float()
         new_mean = torch.where(torch.isinf(self.loss_mean), loss, 0.9 * self.loss_mean + 0.1 * loss)
         self.loss_mean.copy_(torch.where(ok, new_mean, self.loss_mean))
         self.skipped.add_(1.0 - okf)
@@ -219,7 +208,7 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         for _ in range(n):
             b = self.rt.to_device(next(it))
-            x = normalize(b["x"], b["aug"])
+            x = data.normalize(b["x"], b["aug"])
             with self.rt.autocast():
                 tg = target_features(self.target, x)
                 total += self.model(x, data.mask_pairs(b), tg).float()

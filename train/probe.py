@@ -22,7 +22,7 @@ import yaml
 from manifests.aireadi import STUDY_GROUPS
 from manifests.splits import split_leaks
 from octfm import cli, config, fsio
-from train import checkpoint, data, features
+from train import checkpoint, data, features, plots
 from train import probe_metrics as pm
 from train.probe_heads import train_heads
 
@@ -211,11 +211,7 @@ def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
 
 
 def plot(out_dir: Path, result: dict, y, prob) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     k = prob.shape[1]
     names = result["classes"]
     cm = pm.confusion(y, prob.argmax(1), k)
