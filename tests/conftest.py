@@ -68,6 +68,14 @@ def start_build(cache: Path, args: list[str], volumes: int, **popen) -> subproce
     return proc
 
 
+def same_weights(a: dict, b: dict) -> bool:
+    """Two checkpoints hold bit-identical context and target encoders (same keys too)."""
+    import torch
+
+    return all(a[p].keys() == b[p].keys() and all(torch.equal(a[p][k], b[p][k]) for k in a[p])
+               for p in ("model", "target"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

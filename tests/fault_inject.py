@@ -1,10 +1,9 @@
 """Run a stage entry with a fault injected at an exact moment, the way a crash would hit it.
 
-    python tests/fault_inject.py --kill-at-fsync step_0000010.pt [--torn] -m train.pretrain ...
+    python tests/fault_inject.py --kill-at-fsync step_0000010.pt -m train.pretrain ...
 
 `--kill-at-fsync NAME`: when the process fsyncs a temp file whose name contains NAME (the
-moment an atomic write has its bytes down but has not renamed yet), it sends itself SIGKILL;
-with `--torn` it first cuts the file to half its length, as a crash mid-write leaves it.
+moment an atomic write has its bytes down but has not renamed yet), it sends itself SIGKILL.
 The code under test is not changed; only os.fsync is wrapped in this process.
 """
 from __future__ import annotations
@@ -16,14 +15,12 @@ import signal
 import sys
 
 
-def kill_at_fsync(name: str, torn: bool) -> None:
+def kill_at_fsync(name: str) -> None:
     real_fsync = os.fsync
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
         if name in os.path.basename(path):
-            if torn:
-                os.ftruncate(fd, os.fstat(fd).st_size // 2)
             os.kill(os.getpid(), signal.SIGKILL)
         return real_fsync(fd)
 
@@ -33,10 +30,9 @@ def kill_at_fsync(name: str, torn: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kill-at-fsync", required=True)
-    ap.add_argument("--torn", action="store_true")
     ap.add_argument("-m", dest="module", required=True)
     args, rest = ap.parse_known_args()
-    kill_at_fsync(args.kill_at_fsync, args.torn)
+    kill_at_fsync(args.kill_at_fsync)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, as with -m
     sys.argv = [args.module, *rest]
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)

@@ -141,7 +141,7 @@ def test_the_choice_follows_val_never_test(run_a, tmp_path):
     assert [s for _, s in out["probed"]] == steps[:-1] and last not in set(out["table"]["step"])
 
 
-def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_path):
+def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_path, capsys):
     from train import checkpoint, probe
 
     run = tmp_path / "a"
@@ -153,5 +153,7 @@ def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_p
     torn.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     assert checkpoint.is_whole(str(whole)) and not checkpoint.is_whole(str(torn))
     assert probe.resolve_checkpoint(ProbeConfig(run=str(run))) == str(whole)
+    assert f"checkpoint {torn} is cut short" in capsys.readouterr().out
     done, todo = leaderboard.Board(fast_cfg()).plan(str(run))
     assert 99 not in done and 99 not in [step for step, _, _ in todo]
+    assert f"leaderboard: skipping {torn}: cut short" in capsys.readouterr().err

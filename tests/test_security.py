@@ -22,7 +22,9 @@ def _files_containing(root: Path, needles: list[str]) -> list[str]:
 
 def test_credentials_never_reach_logs_manifests_or_run_files(synth_tree, s3_server, tiny_cache, tmp_path, no_ca_bundle):
     upload_tree(s3_server, "secret-bucket", synth_tree)
-    env = {**s3_env(s3_server, KEY_ID, SECRET), "WANDB_API_KEY": WANDB_KEY}
+    # W&B's own data, cache and config folders go under tmp_path too, so the scan below sees them
+    env = {**s3_env(s3_server, KEY_ID, SECRET), "WANDB_API_KEY": WANDB_KEY,
+           **{f"WANDB_{k}_DIR": str(tmp_path / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     needles = [KEY_ID, SECRET, WANDB_KEY]
     dst, cache, runs = tmp_path / "gcs", tmp_path / "cache", tmp_path / "runs"
     outputs = [
