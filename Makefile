@@ -39,7 +39,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report export clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -55,6 +55,7 @@ help:
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
+	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
 	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
 
 venv: $(STAMP)
@@ -125,6 +126,11 @@ probe: $(STAMP)
 
 leaderboard: $(STAMP)
 	$(PY) -m train.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
+
+# A model folder others load with train.encoder.load_encoder (safetensors + config.json + model card).
+export: $(STAMP)
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
+	$(PY) -m train.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

@@ -15,6 +15,7 @@ from cache import store
 from octfm import config, fsio
 from train import checkpoint, data
 from train.config import TrainConfig
+from train.encoder import center_crop
 from train.model import Encoder
 
 FEATURE_VERSION = "1"
@@ -35,11 +36,6 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
         enc = Encoder(cfg.model, cfg.data.input_shape)
         ident = {"ckpt": None, "random_seed": seed}
     return enc.eval(), cfg, ident
-
-
-def center_crop(vol: np.ndarray, shape) -> np.ndarray:
-    starts = [(n - s) // 2 for n, s in zip(vol.shape, shape)]
-    return vol[tuple(slice(a, a + s) for a, s in zip(starts, shape))]
 
 
 @torch.no_grad()
