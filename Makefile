@@ -18,6 +18,7 @@ LOCAL  ?= data/local_cache
 CONFIG ?=
 ARGS   ?=
 SHARD  ?=
+SHARDS ?=
 STRICT ?= 0
 CKPT   ?=
 RUN    ?=
@@ -26,7 +27,7 @@ OUT    ?=
 NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
-shard_flag  = $(if $(SHARD),--shard $(SHARD))
+shard_flag  = $(if $(SHARD),--shard $(SHARD)) $(if $(SHARDS),--shards $(SHARDS))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
