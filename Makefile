@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report export clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -57,6 +57,7 @@ help:
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
 	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
+	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
 	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
 
 venv: $(STAMP)
@@ -132,6 +133,11 @@ leaderboard: $(STAMP)
 export: $(STAMP)
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
 	$(PY) -m train.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
+
+# One row per cached volume: the manifest's keys and the pooled embedding (resumable).
+embed: $(STAMP)
+	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
+	$(PY) -m train.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

@@ -81,6 +81,12 @@ class CachedVolumeEncoder(nn.Module):
         return Embeddings(mean_pool(tokens), tokens)
 
 
+def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
+    """A checkpoint's encoder (train.features.load_encoder) as `make export` will load it: the
+    same module, so `make embed` from a checkpoint and a loaded model folder agree."""
+    return CachedVolumeEncoder(enc, stride, input_shape, data.PIXEL_MEAN, data.PIXEL_STD).eval()
+
+
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
     arch = typed.from_dict(ModelConfig, {k: cfg["architecture"][k] for k in ARCH_KEYS}, where="config.json architecture")
