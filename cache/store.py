@@ -17,6 +17,7 @@ read: the code version changed with the layout, so `make cache` rebuilds them on
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 
 import numpy as np
@@ -65,7 +66,8 @@ def write_volume(cache_root: str, rel: str, array: np.ndarray, attrs: dict,
     """Write `array` with `attrs` as an OME-Zarr image under <cache_root>/<rel> so no reader
     sees half of it."""
     uri = fsio.join(cache_root, rel)
-    group_attrs = {"ome": ome_attrs(attrs.get("spacing_mm"), rel), ATTR_KEY: attrs}
+    group_attrs = {"ome": ome_attrs(attrs.get("spacing_mm"), posixpath.basename(rel).removesuffix(".zarr")),
+                   ATTR_KEY: attrs}
     if fsio.is_remote(uri):
         fs, path = fsio.filesystem(uri)
         if fs.exists(path):

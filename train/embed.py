@@ -82,21 +82,23 @@ def probe_features(ckpt_ident: dict, cfg, run: Path, cache: str) -> dict[tuple[s
 
 
 def assemble(out: Path, files: list[Path], rows: list[dict], schema: pa.Schema) -> int:
-    """Write the table from the done files, one file at a time, keeping only current rows (in
-    manifest order); atomically. Returns the number of rows written."""
+    """Write the table from the done files, a batch at a time, keeping only rows still in the
+    cache (rows done earlier first, so volumes added later come last); atomically. Returns
+    the number of rows written."""
     want = {(r["relpath"], r["cache_key"]) for r in rows}
     tmp = out.with_name(fsio.temp_name(out.name))
     n = 0
     seen: set = set()
     with pq.ParquetWriter(tmp, schema) as w:
         for f in files:
-            t = pq.read_table(f).cast(schema)
-            keys = list(zip(t.column("relpath").to_pylist(), t.column("cache_key").to_pylist()))
-            keep = [i for i, k in enumerate(keys) if k in want and k not in seen]
-            seen.update(keys[i] for i in keep)
-            if keep:
-                w.write_table(t.take(keep))
-                n += len(keep)
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+                t = pa.Table.from_batches([batch]).cast(schema)
+                keys = list(zip(t.column("relpath").to_pylist(), t.column("cache_key").to_pylist()))
+                keep = [i for i, k in enumerate(keys) if k in want and k not in seen]
+                seen.update(keys[i] for i in keep)
+                if keep:
+                    w.write_table(t.take(keep))
+                    n += len(keep)
     tmp.replace(out)
     return n
 
