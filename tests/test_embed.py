@@ -41,7 +41,7 @@ def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, ti
     rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
     assert len(df) == len(rows) and list(df.relpath) == [r["relpath"] for r in rows]
     assert f"{len(rows)} from the probes' features" in r.stdout, r.stdout  # tiny_run was probed; all labelled
-    assert set(KEYS) <= set(df.columns) and df.label.notna().all()
+    assert set(KEYS) <= set(df.columns) and df.label.notna().all() and str(df.label.dtype) == "Int64"
     emb = np.stack(df.embedding.to_numpy())
     assert emb.shape == (len(rows), 32) and emb.dtype == np.float32
     np.testing.assert_allclose(emb[:4], expected_embeddings(ckpt, tiny_cache, rows[:4]), atol=1e-5, rtol=0)

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from cache import store
+from manifests import schema
 from manifests.aireadi import SPLITS
 from octfm import cli, fsio
 from train import data, encoder, features, probe
@@ -36,7 +37,8 @@ KEY_META = b"octfm_embed_key"
 
 def table_schema(dim: int, key: str) -> pa.Schema:
     fields = [pa.field(k, pa.int8() if k == "label" else pa.string()) for k in KEYS]
-    return pa.schema(fields + [pa.field("embedding", pa.list_(pa.float32(), dim))], metadata={KEY_META: key.encode()})
+    out = schema.with_nullable_ints(fields + [pa.field("embedding", pa.list_(pa.float32(), dim))])
+    return out.with_metadata({**out.metadata, KEY_META: key.encode()})
 
 
 def embed_key(ident: dict, cfg, cache: str) -> str:
