@@ -280,7 +280,7 @@ def tiny_run(tiny_cache, tmp_path_factory) -> Path:
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     run = root / "runs" / "tiny"
-    r = run_cli("train.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
+    r = run_cli("evals.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
                 "heads=[linear]", "cross_device=false")
     assert r.returncode == 0, r.stderr[-2000:]
     return run

@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
-        from train.plots import plot_metrics
+        from train.curves import plot_metrics
 
         png = plot_metrics(trainer.run_dir)
         print(f"pretrain: curves in {png}")

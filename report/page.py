@@ -9,8 +9,8 @@ training curves from metrics.jsonl and the probe results.
 One file: every PNG is embedded as a base64 data URI, so the page can be mailed, attached
 to an issue or copied off a TPU VM on its own. Every string read from a manifest or a run
 (paths, error messages, probe reports) is HTML-escaped: they come from untrusted files.
-It lives in octfm/ rather than cache/ or train/ because it reads the outputs of every
-stage; no stage imports it.
+It is its own top-level package because it reads the outputs of every stage; no stage
+imports it.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from cache import store
 from ingest import dicom
 from ingest.preprocess import subsample
 from manifests import schema
-from octfm import cli, fsio
-from train import plots
+from octfm import cli, fsio, plots
+from train import curves
 from train.metrics import read_metrics
 
 HIST_VOXELS = 200_000  # subsampled source voxels per histogram (strided, like the cache's window)
@@ -261,7 +261,7 @@ def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -
 def run_summary_rows(train: dict, val: dict) -> list[list]:
     steps = sorted(train)
     rows = []
-    for key, title in plots.PANELS + [("skipped_updates", "skipped updates")]:
+    for key, title in curves.PANELS + [("skipped_updates", "skipped updates")]:
         vals = [train[s].get(key) for s in steps]
         finite = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
         if not finite:
@@ -319,7 +319,7 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
     if not run_dir.is_dir():
         return parts + [note(f"{run_dir}: no such run folder")], 0
     train, val = read_metrics(run_dir)
-    png = plots.curves_png((train, val), run_dir.name)
+    png = curves.curves_png((train, val), run_dir.name)
     if png is None:
         parts.append(note(f"{run_dir}/metrics.jsonl: no training rows yet"))
     else:

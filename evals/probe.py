@@ -19,12 +19,13 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from evals import features
+from evals import probe_metrics as pm
+from evals.probe_heads import train_heads
 from manifests.aireadi import STUDY_GROUPS
 from manifests.splits import split_leaks
-from octfm import cli, config, fsio
-from train import checkpoint, data, features, plots
-from train import probe_metrics as pm
-from train.probe_heads import train_heads
+from octfm import cli, config, fsio, plots
+from train import checkpoint, data
 
 TASKS = {
     "study_group": {"classes": 4, "names": list(STUDY_GROUPS), "map": lambda label: label},

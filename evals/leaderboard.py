@@ -25,10 +25,11 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from octfm import cli, config, fsio
-from train import checkpoint, plots, probe
+from evals import probe
+from evals.probe import ProbeConfig
+from octfm import cli, config, fsio, plots
+from train import checkpoint
 from train.metrics import read_metrics
-from train.probe import ProbeConfig
 
 LEADERBOARD_VERSION = "1"
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
