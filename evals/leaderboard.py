@@ -26,7 +26,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from evals import probe
-from evals.probe import ProbeConfig
+from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
 from train import checkpoint
 from train.metrics import read_metrics
@@ -189,7 +189,7 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
 def _fmt(row, split: str, metric: str, device: str = "") -> str:
     """`value [lo, hi]` from a table row (device: the per-device columns, `...@<device>`)."""
     at = f"@{device}" if device else ""
-    return probe._fmt(_num(row[f"{split}_{metric}{at}"]), [_num(row[f"{split}_{metric}_ci95_lo{at}"]),
+    return cli.fmt_number(_num(row[f"{split}_{metric}{at}"]), [_num(row[f"{split}_{metric}_ci95_lo{at}"]),
                                                            _num(row[f"{split}_{metric}_ci95_hi{at}"])])
 
 
@@ -209,8 +209,8 @@ def markdown(table: pd.DataFrame) -> str:
         for _, r in t.iterrows():
             lines.append(f"| {r['run_name']} | {r['step']} | {r['head']} | {_fmt(r, 'val', 'balanced_accuracy')} | "
                          f"{_fmt(r, 'val', 'auroc')} | {_fmt(r, 'test', 'balanced_accuracy')} | "
-                         f"{_fmt(r, 'test', 'auroc')} | {probe._fmt(_num(r['pretrain_loss']))} | "
-                         f"{probe._fmt(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
+                         f"{_fmt(r, 'test', 'auroc')} | {cli.fmt_number(_num(r['pretrain_loss']))} | "
+                         f"{cli.fmt_number(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
                          f"{'' if r['ckpt_exists'] else ' (pruned)'} |")
         if devices:
             lines += ["", f"Per test device ({task}): balanced accuracy / AUROC [95% CI]", "",
@@ -310,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = res["table"]
     for task, t in table.groupby("task", sort=False):
         rows = [(r["run_name"], r["step"], r["head"], _fmt(r, "val", "balanced_accuracy"),
-                 _fmt(r, "test", "balanced_accuracy"), probe._fmt(_num(r["test_auroc"])),
-                 probe._fmt(_num(r["pretrain_loss"])), probe._fmt(_num(r["pretrain_rankme"])),
+                 _fmt(r, "test", "balanced_accuracy"), cli.fmt_number(_num(r["test_auroc"])),
+                 cli.fmt_number(_num(r["pretrain_loss"])), cli.fmt_number(_num(r["pretrain_rankme"])),
                  "<- best" if r["best"] else "") for _, r in t.iterrows()]
         print(f"\n{task}:")
         print(cli.format_table(["run", "step", "head", "val bal. acc [95% CI]", "test bal. acc [95% CI]",
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for _, r in res["best"].iterrows():
         print(f"best {r['run_name']} {r['task']}: step {r['step']} (val bal. acc "
-              f"{probe._fmt(_num(r['val_balanced_accuracy']))}, test {_fmt(r, 'test', 'balanced_accuracy')}) {r['ckpt']}")
+              f"{cli.fmt_number(_num(r['val_balanced_accuracy']))}, test {_fmt(r, 'test', 'balanced_accuracy')}) {r['ckpt']}")
     probed = ", ".join(f"{Path(r).name}@{s}" for r, s in res["probed"]) or "none"
     print(f"leaderboard: probed {len(res['probed'])} checkpoint(s) ({probed}), reused {res['reused']} stored; "
           f"table {res['out']}/leaderboard.parquet, .md, .png; choices {', '.join(res['best_files'])}; "

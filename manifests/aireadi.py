@@ -17,6 +17,12 @@ STUDY_GROUPS = (
 )
 DEVICES = ("heidelberg_spectralis", "topcon_maestro2", "topcon_triton", "zeiss_cirrus")
 SPLITS = ("train", "val", "test")
+# Probe tasks on the label: the trainer's online probe (train/) and the offline probes (evals/) share them.
+TASKS = {
+    "study_group": {"classes": 4, "names": list(STUDY_GROUPS), "map": lambda label: label},
+    # diabetic: oral medication / non-insulin injectable (2) or insulin dependent (3) vs not
+    "diabetic": {"classes": 2, "names": ["not_diabetic", "diabetic"], "map": lambda label: int(label >= 2)},
+}
 SITES = ("UW", "UAB", "UCSD")
 
 PARTICIPANT_COLUMNS = ("participant_id", "study_group")

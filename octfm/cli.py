@@ -5,6 +5,7 @@ Contract (DESIGN.md): 0 finished (failed rows allowed), 3 with STRICT when rows 
 """
 from __future__ import annotations
 
+import math
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -74,3 +75,19 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def fmt_ci(ci) -> str:
+    """`[lo, hi]` of a 95% interval to 3 decimals; empty when there is none."""
+    if not ci or ci[0] is None:
+        return ""
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def fmt_number(v, ci=None, spec: str = ".3f") -> str:
+    """A score for summaries and reports: `n/a` when missing or not finite, else `v` in `spec`,
+    followed by its interval when one is given (`0.512 [0.401, 0.630]`)."""
+    if v is None or not math.isfinite(float(v)):
+        return "n/a"
+    interval = fmt_ci(ci)
+    return format(v, spec) + (f" {interval}" if interval else "")

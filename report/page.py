@@ -75,10 +75,9 @@ def note(text: str) -> str:
 
 
 def _fmt(v) -> str:
+    """A table cell: floats to 4 significant digits (`n/a` when not finite), None empty."""
     if isinstance(v, (float, np.floating)):
-        if not math.isfinite(v):
-            return "n/a"
-        return f"{v:.4g}"
+        return cli.fmt_number(v, spec=".4g")
     return "" if v is None else str(v)
 
 
@@ -289,8 +288,8 @@ def probe_section(run_dir: Path) -> list[str]:
                 t = p["test"]
                 rows.append([p["encoder"], p["head"], p.get("lr"), p.get("weight_decay"),
                              p.get("val_balanced_accuracy"), t.get("balanced_accuracy"),
-                             _ci(t.get("balanced_accuracy_ci95")), t.get("auroc_macro_ovr"),
-                             _ci(t.get("auroc_macro_ovr_ci95")), "YES" if t.get("collapsed") else "no"])
+                             cli.fmt_ci(t.get("balanced_accuracy_ci95")), t.get("auroc_macro_ovr"),
+                             cli.fmt_ci(t.get("auroc_macro_ovr_ci95")), "YES" if t.get("collapsed") else "no"])
             counts = ", ".join(f"{split} {n}" for split, n in (res.get("counts") or {}).items())
             parts.append(f"<p>classes: {esc(', '.join(map(str, res.get('classes', []))))}; rows per class: "
                          f"{esc(counts)}</p>")
@@ -305,12 +304,6 @@ def probe_section(run_dir: Path) -> list[str]:
             parts.append(f"<details><summary>report.md</summary><pre>{esc((task_dir / 'report.md').read_text())}"
                          "</pre></details>")
     return parts
-
-
-def _ci(ci) -> str:
-    if not ci or ci[0] is None:
-        return ""
-    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
 def run_section(run_dir: Path) -> tuple[list[str], int]:
