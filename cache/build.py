@@ -27,7 +27,7 @@ from cache.config import CacheConfig
 from cache.worker import SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
 from ingest import preprocess as prep
 from manifests import build as manifest_build
-from manifests import schema
+from manifests import layout, schema
 from octfm import cli, config, fsio
 
 OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation")
@@ -70,7 +70,7 @@ def source_location(uri: str) -> str:
 
 def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
     """<CACHE>/sources.parquet, built from SOURCE when missing or made for another root."""
-    uri = fsio.join(cache_root, "sources.parquet")
+    uri = layout.sources_uri(cache_root)
     root = source.rstrip("/")
     if fsio.exists(uri):
         rows = schema.read_table(uri, schema.SOURCES_SCHEMA).to_pylist()
@@ -83,24 +83,20 @@ def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
     return rows
 
 
-def part_uri(cache_root: str, shard: tuple[int, int]) -> str:
-    return fsio.join(cache_root, "manifest.parquet", f"part-{shard[0]:04d}-of-{shard[1]:04d}.parquet")
+part_uri = layout.part_uri
 
 
 def previous_rows(cache_root: str, shard: tuple[int, int]) -> dict[str, dict]:
-    uri = part_uri(cache_root, shard)
-    if not fsio.exists(uri):
-        return {}
     try:
-        rows = schema.read_table(uri, schema.CACHE_SCHEMA).to_pylist()
+        table = layout.read_part(cache_root, shard)
     except Exception:  # noqa: BLE001 - an unreadable old part only costs a recheck
         return {}
-    return {r["relpath"]: r for r in rows}
+    return {r["relpath"]: r for r in table.to_pylist()} if table is not None else {}
 
 
 def existing_arrays(cache_root: str) -> set[str]:
     """Volume paths (relative) that have array metadata, from one listing."""
-    fs, base = fsio.filesystem(fsio.join(cache_root, "volumes"))
+    fs, base = fsio.filesystem(layout.volumes_uri(cache_root))
     if not fs.exists(base):
         return set()
     prefix = fsio.filesystem(cache_root)[1].rstrip("/") + "/"
@@ -266,12 +262,12 @@ class AbortRule:
 def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
     """Drop parts written with another N (superseded by this sharding) and this part's
     temp files from a killed run."""
-    fs, base = fsio.filesystem(fsio.join(cache_root, "manifest.parquet"))
+    fs, base = fsio.filesystem(layout.manifest_uri(cache_root))
     if not fs.isdir(base):
         if fs.exists(base):
             fs.rm(base)
         return
-    mine = os.path.basename(part_uri(cache_root, shard))
+    mine = layout.part_name(shard)
     for p in fs.ls(base, detail=False):
         name = os.path.basename(p)
         if (name.startswith("part-") and not name.endswith(f"-of-{shard[1]:04d}.parquet")) or \

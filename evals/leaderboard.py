@@ -28,7 +28,8 @@ from tqdm import tqdm
 from evals import probe
 from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
-from train import checkpoint
+from train import checkpoint, run_folder
+from train.run_folder import RunFolder
 from train.metrics import read_metrics
 
 LEADERBOARD_VERSION = "1"
@@ -52,7 +53,7 @@ def settings_key(cfg: ProbeConfig) -> str:
 
 
 def stored_path(run: str, step: int) -> Path:
-    return Path(run) / "probe" / "leaderboard" / f"step_{step:07d}.json"
+    return RunFolder(run).stored_result(step)
 
 
 def _load_json(path: Path) -> dict | None:
@@ -88,7 +89,7 @@ class Board:
         """(stored results that hold, by step; checkpoints to probe as (step, uri, identity))."""
         ckpt_dir = probe.run_checkpoint_dir(run)
         steps = checkpoint.list_steps(ckpt_dir)
-        stored = {rec.get("step"): rec for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json"))
+        stored = {rec.get("step"): rec for path in sorted(RunFolder(run).stored_results_dir.glob("step_*.json"))
                   if (rec := _load_json(path))}
         done, todo = {}, []
         for step in steps:
@@ -108,7 +109,7 @@ class Board:
         return done, todo
 
     def probe(self, run: str, step: int, uri: str, ident: dict) -> dict:
-        res = probe.probe_checkpoint(self.cfg, uri, Path(run) / "probe", reports=False)
+        res = probe.probe_checkpoint(self.cfg, uri, RunFolder(run).probe, reports=False)
         self._fingerprints.setdefault(res["cache"], res["rows_fingerprint"])
         rec = {"step": step, "ckpt": uri, "ckpt_identity": ident, "settings_key": self.key,
                "settings": result_settings(self.cfg), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": res}
@@ -178,7 +179,7 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
                             **{c: _num(r[c]) for c in r.index if c.startswith(("val_", "test_")) and "@" not in c
                                and c != "test_collapsed"},
                             "pretrain_loss": _num(r["pretrain_loss"]), "pretrain_rankme": _num(r["pretrain_rankme"])}
-    out = Path(run) / "best_checkpoint.json"
+    out = RunFolder(run).best_checkpoint
     doc = {"selected_on": "val", "rule": "highest val balanced accuracy of the head chosen on val; ties: val AUROC, "
            "then the earliest step; test scores are reported, never used", "settings_key": settings_key(cfg),
            "probe_settings": result_settings(cfg), "tasks": tasks}
@@ -283,9 +284,9 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     best_files = [str(write_best(r, best, cfg)) for r in runs]
     out = Path(out) if out else default_out(runs)
     out.mkdir(parents=True, exist_ok=True)
-    fsio.write_parquet_atomic(pa.Table.from_pandas(table, preserve_index=False), str(out / "leaderboard.parquet"))
-    fsio.atomic_write_bytes(str(out / "leaderboard.md"), markdown(table).encode())
-    plot(table, out / "leaderboard.png")
+    fsio.write_parquet_atomic(pa.Table.from_pandas(table, preserve_index=False), str(run_folder.leaderboard_file(out, "parquet")))
+    fsio.atomic_write_bytes(str(run_folder.leaderboard_file(out, "md")), markdown(table).encode())
+    plot(table, run_folder.leaderboard_file(out, "png"))
     return {"table": table, "best": table[table["best"]], "probed": [(r, s) for r, s, _, _ in todo],
             "reused": sum(len(d) for d in done.values()) - len(todo), "out": str(out), "best_files": best_files}
 

@@ -16,7 +16,6 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from evals import features
 from evals.config import ProbeConfig
@@ -24,14 +23,12 @@ from evals import probe_metrics as pm
 from evals.probe_heads import train_heads
 from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
-from octfm import cli, config, fsio, plots
+from octfm import cli, config, plots
 from train import checkpoint, data
+from train.run_folder import RunFolder
 
 def run_checkpoint_dir(run: str) -> str:
-    """Where a run keeps its checkpoints: its config's `ckpt_dir` (e.g. gs://), else <run>/checkpoints."""
-    cfg_path = Path(run) / "config.yaml"
-    ckpt_dir = yaml.safe_load(cfg_path.read_text()).get("ckpt_dir") if cfg_path.exists() else None
-    return ckpt_dir or fsio.join(run, "checkpoints")
+    return RunFolder(run).checkpoints()
 
 
 def resolve_checkpoint(cfg: ProbeConfig) -> str:
@@ -224,7 +221,7 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
-    probe_dir = Path(probe_dir) if probe_dir else Path(tcfg.runs_dir) / tcfg.name / "probe"
+    probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     encoders = {"pretrained": (enc, ident)}
     if cfg.baselines:
         r_enc, _, r_ident = features.load_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
@@ -246,7 +243,7 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
 
 def run(cfg: ProbeConfig) -> dict:
     ckpt = resolve_checkpoint(cfg)
-    return probe_checkpoint(cfg, ckpt, Path(cfg.run) / "probe" if cfg.run else None)
+    return probe_checkpoint(cfg, ckpt, RunFolder(cfg.run).probe if cfg.run else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from manifests.build import MIRROR_RECORD
+from manifests.layout import MIRROR_RECORD
 from octfm import archives, cli, fsio
 
 CHUNK = 4 << 20

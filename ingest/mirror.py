@@ -15,19 +15,14 @@ import time
 from datetime import datetime, timezone
 from typing import Sequence
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 from rclone_python import rclone
 from rclone_python.utils import RcloneException
 
-from manifests.build import MIRROR_RECORD
+from manifests import layout
+from manifests.layout import MIRROR_RECORD
 from octfm import cli, rclone_io
 
-RECORD_SCHEMA = pa.schema([
-    pa.field("path", pa.string()), pa.field("size", pa.int64()), pa.field("sha1", pa.string()),
-    pa.field("md5", pa.string()), pa.field("mod_time", pa.string()), pa.field("hash_note", pa.string()),
-    pa.field("verified", pa.bool_()), pa.field("recorded_at", pa.string()),
-])
 
 
 def record_rows(src_files: list[dict], dst_files: list[dict], now: str) -> tuple[list[dict], list[str]]:
@@ -90,7 +85,7 @@ def copy(src: str, dst: str, transfers: int, checkers: int, progress: bool, retr
 
 
 def write_record(rows: list[dict], dst: str) -> None:
-    table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
+    table = layout.mirror_record_table(rows)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, MIRROR_RECORD)
         pq.write_table(table, local, compression="zstd")

@@ -13,13 +13,11 @@ from collections import Counter
 from typing import Sequence
 
 import pandas as pd
-import pyarrow.parquet as pq
 
-from manifests import aireadi, schema, splits
+from manifests import aireadi, layout, schema, splits
+from manifests.layout import OCT_DIR
 from octfm import archives, cli, fsio
 
-MIRROR_RECORD = "octfm_mirror.parquet"
-OCT_DIR = "retinal_oct"
 
 
 def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -76,16 +74,6 @@ def _absent_reason(rel: str, zips: dict[str, dict]) -> str:
     return "missing: listed in manifest.tsv but not found in the dataset"
 
 
-def read_mirror_record(root: str) -> dict[str, dict]:
-    """relpath -> expected hashes, from the record `make mirror` left beside the dataset."""
-    uri = fsio.join(root, MIRROR_RECORD)
-    if not fsio.exists(uri):
-        return {}
-    fs, path = fsio.filesystem(uri)
-    rows = pq.read_table(path, filesystem=fs, columns=["path", "sha1", "md5"]).to_pylist()
-    return {r["path"]: {"sha1": r["sha1"], "md5": r["md5"]} for r in rows}
-
-
 def _clean(v):
     """pandas missing values (NaN, NA) -> None, so Arrow string columns stay strings."""
     return None if v is None or (not isinstance(v, (list, str)) and pd.isna(v)) else v
@@ -108,7 +96,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     participants, n_resplit = splits.fill_splits(participants, seed=seed)
     oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
     listing, zips = list_dataset(root)
-    mirror = read_mirror_record(root)
+    mirror = layout.read_mirror_record(root)
     people = participants.set_index("participant_id")
 
     rows: list[dict] = []

@@ -31,9 +31,10 @@ from tqdm import tqdm
 from cache import store
 from ingest import dicom
 from ingest.preprocess import subsample
-from manifests import schema
+from manifests import layout, schema
 from octfm import cli, fsio, plots
-from train import curves
+from train import curves, run_folder
+from train.run_folder import RunFolder
 from train.metrics import read_metrics
 
 HIST_VOXELS = 200_000  # subsampled source voxels per histogram (strided, like the cache's window)
@@ -82,10 +83,10 @@ def _fmt(v) -> str:
 
 
 def load_manifest(cache: str) -> pd.DataFrame:
-    uri = fsio.join(cache, "manifest.parquet")
-    if not fsio.exists(uri):
-        raise cli.UsageError(f"--cache: no cache manifest at {uri} (run make cache first)")
-    df = schema.read_manifest(uri)
+    try:
+        df = layout.read_manifest_table(cache).to_pandas()
+    except FileNotFoundError as exc:
+        raise cli.UsageError(f"--cache: no cache manifest at {exc} (run make cache first)") from None
     df["device"] = df["device"].fillna("unknown")
     df["imaging"] = df["imaging"].fillna("")
     return df
@@ -278,7 +279,7 @@ def run_summary_rows(train: dict, val: dict) -> list[list]:
 
 def probe_section(run_dir: Path) -> list[str]:
     parts = []
-    for mpath in sorted((run_dir / "probe").glob("*/metrics.json")):
+    for mpath in sorted(RunFolder(run_dir).probe.glob("*/metrics.json")):
         task_dir = mpath.parent
         parts.append(f"<h3>Probe: {esc(task_dir.name)}</h3>")
         try:
@@ -323,8 +324,8 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
     if wandb_runs:
         parts.append(f"<p>W&amp;B runs (same names under train/ and val/; offline ones: "
                      f"<code>wandb sync &lt;dir&gt;</code>): {esc(', '.join(p.name for p in wandb_runs))}</p>")
-    if (run_dir / "config.yaml").exists():
-        parts.append(f"<details><summary>config.yaml</summary><pre>{esc((run_dir / 'config.yaml').read_text())}"
+    if RunFolder(run_dir).config.exists():
+        parts.append(f"<details><summary>config.yaml</summary><pre>{esc(RunFolder(run_dir).config.read_text())}"
                      "</pre></details>")
     probes = probe_section(run_dir)
     parts += probes or [note(f"no probe results under {run_dir}/probe/ (make probe)")]
@@ -387,7 +388,7 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
 
 
 def default_out(cache: str, run: str | None) -> str:
-    return str(Path(run) / "report.html") if run else fsio.join(cache, "report.html")
+    return str(RunFolder(run).report) if run else fsio.join(cache, run_folder.REPORT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

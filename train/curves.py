@@ -6,6 +6,7 @@ from pathlib import Path
 
 from octfm.plots import pyplot, to_png
 from train.metrics import read_metrics
+from train.run_folder import RunFolder
 
 # (metrics.jsonl key, panel title): the names W&B shows under train/ too
 PANELS = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
@@ -43,6 +44,6 @@ def plot_metrics(run_dir: str | Path) -> Path | None:
     png = curves_png(read_metrics(run_dir), Path(run_dir).name)
     if png is None:
         return None
-    out = Path(run_dir) / "curves.png"
+    out = RunFolder(run_dir).curves
     out.write_bytes(png)
     return out

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from cache import store
-from manifests import schema
+from manifests import layout
 from octfm.cli import UsageError
 from train import masks as M
 from train.config import DataConfig, MaskConfig
@@ -30,11 +30,11 @@ def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
 
 def select_rows(cache: str, splits, devices) -> list[dict]:
     """Manifest rows usable for training: status ok, in the splits and devices asked for."""
-    uri = cache.rstrip("/") + "/manifest.parquet"
     try:
-        table = schema.read_table(uri, schema.CACHE_SCHEMA)
+        table = layout.read_manifest_table(cache)
     except FileNotFoundError:
-        raise UsageError(f"data.cache: no manifest at {uri} (run `make cache` / `make stage` first)") from None
+        raise UsageError(f"data.cache: no manifest at {layout.manifest_uri(cache)} "
+                         "(run `make cache` / `make stage` first)") from None
     rows = [r for r in table.to_pylist() if r["status"] == "ok" and r["split"] in splits
             and (devices is None or r["device"] in devices)]
     return sorted(rows, key=lambda r: r["relpath"])
