@@ -8,8 +8,6 @@ becomes a failed row; a crashed worker is retried once, then its row fails.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -30,7 +28,8 @@ from manifests import build as manifest_build
 from manifests import layout, schema
 from octfm import cli, config, fsio
 
-OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation")
+# the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
+OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "decoder")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -57,7 +56,7 @@ def cache_key(row: dict, cfg: CacheConfig) -> str:
         "sha1": row.get("expected_sha1"), "md5": row.get("expected_md5"),
         "params": {k: p[k] for k in OUTPUT_KEYS}, "code": prep.CODE_VERSION,
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return config.content_key(ident, 20)
 
 
 # ---------------------------------------------------------------- driver side
@@ -299,7 +298,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     """Build (or complete) this shard of the cache. Returns its manifest rows."""
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
-    store.remove_stale_temps(cache_root, tag)
+    fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run
     rows = [r for r in load_sources(source, cache_root) if in_shard(r["relpath"], shard)]
     done, todo = plan(rows, cfg, cache_root, shard)
     reused = sum(1 for r in done if r.pop("reused", False))

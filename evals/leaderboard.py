@@ -13,7 +13,6 @@ and recorded in <run>/best_checkpoint.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -49,7 +48,7 @@ def result_settings(cfg: ProbeConfig) -> dict:
 
 def settings_key(cfg: ProbeConfig) -> str:
     blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+    return config.content_key(blob, 16)
 
 
 def stored_path(run: str, step: int) -> Path:
@@ -253,8 +252,7 @@ def plot(table: pd.DataFrame, out: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("checkpoint leaderboard (star: chosen on val)")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
+    plots.save_png(fig, out, dpi=80)
 
 
 def default_out(runs: list[str]) -> Path:

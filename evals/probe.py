@@ -8,7 +8,6 @@ cross-device transfer, and the same probes on a random encoder plus a majority p
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
 def rows_fingerprint(rows: list[dict]) -> str:
     """What the probe results depend on in the cache: volumes, labels, splits, participants, devices."""
     blob = [(r["relpath"], r["cache_key"], r["label"], r["split"], r["participant_id"], r["device"]) for r in rows]
-    return hashlib.sha256(json.dumps(blob, default=str).encode()).hexdigest()[:20]
+    return config.content_key(blob, 20)  # a list of tuples: sorting keys leaves its bytes as before
 
 
 def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
@@ -186,8 +185,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.set_ylabel("true")
     ax.set_title(f"{result['task']}: pretrained encoder, test")
     fig.tight_layout()
-    fig.savefig(out_dir / "confusion.png", dpi=90)
-    plt.close(fig)
+    plots.save_png(fig, out_dir / "confusion.png", dpi=90)
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for c in (range(k) if k > 2 else [1]):
         yc = (y == c).astype(int)
@@ -202,8 +200,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"{result['task']}: ROC (one vs rest), test")
     fig.tight_layout()
-    fig.savefig(out_dir / "roc.png", dpi=90)
-    plt.close(fig)
+    plots.save_png(fig, out_dir / "roc.png", dpi=90)
 
 
 def check_tasks(cfg: ProbeConfig) -> None:

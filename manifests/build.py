@@ -6,7 +6,6 @@ retinal_oct/ that manifest.tsv does not list. Labels and splits are joined by pa
 from __future__ import annotations
 
 import argparse
-import os
 import posixpath
 import time
 from collections import Counter
@@ -17,6 +16,7 @@ import pandas as pd
 from manifests import aireadi, layout, schema, splits
 from manifests.layout import OCT_DIR
 from octfm import archives, cli, fsio
+from octfm.errors import DataError
 
 
 
@@ -27,19 +27,10 @@ def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
     members alike (octfm/archives.py maps a member to the path it stands for), and
     archive relpath -> {members, error} for every archive found.
     """
-    fs, base = fsio.filesystem(root)
-    oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR)
-    if not fs.exists(oct_dir):
-        return {}, {}
-    found = fs.find(oct_dir, detail=True)
-    base_norm = base.rstrip("/") + "/"
     out: dict[str, dict] = {}
     zips: list[str] = []
-    for path, info in found.items():
-        if info.get("type") == "directory":
-            continue
-        rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
-        rel = rel.replace(os.sep, "/")
+    for sub, info in fsio.list_tree(fsio.join(root, OCT_DIR)).items():
+        rel = f"{OCT_DIR}/{sub}"
         if archives.is_archive(rel):
             zips.append(rel)
             continue
@@ -53,12 +44,11 @@ def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str,
     """Add every archive's members to `listing` (a path already present keeps its first
     source) and return archive relpath -> {members, error, duplicates}."""
     report: dict[str, dict] = {}
+    seen = dict.fromkeys(listing, "a plain file")
     for rel, (members, error) in archives.list_archives(root, zips).items():
-        report[rel] = {"members": len(members), "error": error, "duplicates": []}
-        for m in members:
-            if m.relpath in listing:
-                report[rel]["duplicates"].append(m.relpath)
-                continue
+        keep, dups = archives.first_source_wins(members, rel, seen)
+        report[rel] = {"members": len(members), "error": error, "duplicates": [m.relpath for m, _ in dups]}
+        for m in keep:
             listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
                                   "error": m.error}
     return report
@@ -91,7 +81,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     p_uri, m_uri = fsio.join(root, "participants.tsv"), fsio.join(root, OCT_DIR, "manifest.tsv")
     for uri in (p_uri, m_uri):
         if not fsio.exists(uri):
-            raise cli.UsageError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
+            raise DataError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
     participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
     participants, n_resplit = splits.fill_splits(participants, seed=seed)
     oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)

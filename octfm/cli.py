@@ -1,6 +1,6 @@
 """Exit codes and the common wrapper every stage entry runs under.
 
-Contract (DESIGN.md): 0 finished (failed rows allowed), 3 with STRICT when rows failed,
+Contract (docs/architecture.md, "Exit codes"): 0 finished (failed rows allowed), 3 with STRICT when rows failed,
 2 usage or config error, 1 anything else.
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ import math
 import sys
 import traceback
 from typing import Callable, Sequence
+
+from octfm.errors import DataError, SetupError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -29,7 +31,7 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     """Run a stage entry and turn its outcome into the documented exit status."""
     try:
         code = main(argv)
-    except UsageError as exc:
+    except (UsageError, DataError, SetupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
     except JobAborted as exc:

@@ -5,7 +5,7 @@ from ingest import synth
 from manifests import build, splits
 from manifests.aireadi import STUDY_GROUPS
 from octfm import fsio
-from octfm.cli import UsageError
+from octfm.errors import DataError
 
 
 def make_tree(tmp_path, **kw):
@@ -66,7 +66,7 @@ def test_missing_column_names_file_and_column(tmp_path):
     p = root / "participants.tsv"
     df = pd.read_csv(p, sep="\t", dtype=str)
     df.drop(columns=["study_group"]).to_csv(p, sep="\t", index=False)
-    with pytest.raises(UsageError, match=r"participants.tsv: missing column\(s\) study_group"):
+    with pytest.raises(DataError, match=r"participants.tsv: missing column\(s\) study_group"):
         build.build_sources(str(root))
 
 
@@ -119,6 +119,6 @@ def test_duplicate_participants_identical_kept_once_conflicting_refused(tmp_path
     changed = df.iloc[[1]].copy()
     changed["study_group"] = "insulin_dependent" if df.study_group[1] != "insulin_dependent" else "healthy"
     pd.concat([df, changed]).to_csv(p, sep="\t", index=False)
-    with pytest.raises(UsageError, match=rf"participants.tsv: participant_id listed more than once with different "
+    with pytest.raises(DataError, match=rf"participants.tsv: participant_id listed more than once with different "
                                          rf"values: {df.participant_id[1]}"):
         build.build_sources(str(root))
