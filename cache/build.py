@@ -208,8 +208,9 @@ def fail_duplicate_uids(rows: list[dict]) -> list[dict]:
     """Headers can reveal duplicates manifest.tsv could not (unlisted files): the first path
     keeps the image, later ones fail (in the rows returned; the inputs are not changed).
     Their arrays stay on disk, unreferenced, so a re-run reuses them and reaches the same
-    verdict. Within one shard: duplicates in different shards are not seen."""
-    dups = manifest_build.duplicate_uids(r for r in rows if r["status"] == "ok")
+    verdict. Within one shard: duplicates in different shards fail when the parts are read
+    together (manifests/layout.read_manifest_table)."""
+    dups = layout.duplicate_uids(r for r in rows if r["status"] == "ok")
     return [{**r, "status": "failed", "volume": None,
              "error": f"duplicate SOP instance UID: {r['sop_instance_uid']} is also {dups[r['relpath']]}"}
             if r["relpath"] in dups else r for r in rows]

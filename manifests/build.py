@@ -159,7 +159,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         rows.append(row)
 
     by_rel = {r["relpath"]: r for r in rows}
-    for rel, first in duplicate_uids(r for r in rows if not r["manifest_error"]).items():
+    for rel, first in layout.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
         row = by_rel[rel]
         row["manifest_error"] = f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}"
     if unknown_participants:
@@ -176,24 +176,6 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         "warnings": warnings, "archives": _archive_summary(zips, listing, rows),
     }
     return rows, summary
-
-
-def duplicate_uids(rows) -> dict[str, str]:
-    """relpath -> the relpath that keeps the image, for every later row whose SOP instance UID
-    repeats an earlier one (by path order, so the choice is the same on every run). A repeated
-    UID is the same image stored twice (or a broken export): training on both would weight it
-    double and could put one image in two splits."""
-    first: dict[str, str] = {}
-    dups: dict[str, str] = {}
-    for row in sorted(rows, key=lambda r: r["relpath"]):
-        uid = row.get("sop_instance_uid")
-        if not uid:
-            continue
-        if uid in first:
-            dups[row["relpath"]] = first[uid]
-        else:
-            first[uid] = row["relpath"]
-    return dups
 
 
 def _archive_summary(zips: dict, listing: dict, rows: list[dict]) -> dict | None:

@@ -9,8 +9,10 @@ Cache root (CACHE):      sources.parquet (`make manifest`), manifest.parquet/par
 from __future__ import annotations
 
 import posixpath
+import sys
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -93,4 +95,40 @@ def read_manifest_table(cache: str) -> pa.Table:
     if not fsio.exists(uri):
         raise FileNotFoundError(uri)
     fs, path = fsio.filesystem(uri)
-    return ds.dataset(path, filesystem=fs, format="parquet", schema=schema.CACHE_SCHEMA).to_table()
+    return fail_cross_part_duplicates(ds.dataset(path, filesystem=fs, format="parquet",
+                                                 schema=schema.CACHE_SCHEMA).to_table())
+
+
+def duplicate_uids(rows) -> dict[str, str]:
+    """relpath -> the relpath that keeps the image, for every later row whose SOP instance UID
+    repeats an earlier one (by path order, so the choice is the same on every run). A repeated
+    UID is the same image stored twice (or a broken export): training on both would weight it
+    double and could put one image in two splits."""
+    first: dict[str, str] = {}
+    dups: dict[str, str] = {}
+    for row in sorted(rows, key=lambda r: r["relpath"]):
+        uid = row.get("sop_instance_uid")
+        if not uid:
+            continue
+        if uid in first:
+            dups[row["relpath"]] = first[uid]
+        else:
+            first[uid] = row["relpath"]
+    return dups
+
+
+def fail_cross_part_duplicates(table: pa.Table) -> pa.Table:
+    """`make cache` fails a duplicate SOP instance UID (an unlisted file's header) only within
+    its shard; read together, an ok row whose UID an ok row of another part holds fails here
+    too (the first relpath keeps the image), and each pair is named on stderr."""
+    ok = table.filter(pa.compute.equal(table["status"], "ok")).select(["relpath", "sop_instance_uid"]).to_pylist()
+    dups = duplicate_uids(ok)
+    if not dups:
+        return table
+    for rel, first in sorted(dups.items()):
+        print(f"warning: duplicate SOP instance UID across manifest parts: {rel} repeats {first} (kept)",
+              file=sys.stderr)
+    rows = [{**r, "status": "failed", "volume": None,
+             "error": f"duplicate SOP instance UID: {r['sop_instance_uid']} is also {dups[r['relpath']]}"}
+            if r["status"] == "ok" and r["relpath"] in dups else r for r in table.to_pylist()]
+    return schema.to_table(rows, schema.CACHE_SCHEMA)

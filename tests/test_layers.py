@@ -54,3 +54,4 @@ def test_a_planted_import_is_caught(tmp_path, package, planted):
     (tmp_path / package / "planted.py").write_text(planted + "\n")
     found = violations(tmp_path)
     assert len(found) == 1 and found[0].startswith(f"{package}/planted.py:"), found
+
