@@ -28,8 +28,8 @@ from evals import probe
 from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
 from train import checkpoint, run_folder
-from train.run_folder import RunFolder
 from train.metrics import read_metrics
+from train.run_folder import RunFolder
 
 LEADERBOARD_VERSION = "1"
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
