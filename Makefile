@@ -76,9 +76,9 @@ demo: $(STAMP)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
-	$(PY) -m train.probe --config configs/probe.yaml run=runs/pretrain_smoke
-	$(PY) -m train.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
-	$(PY) -m octfm.report --cache $(CACHE) --run runs/pretrain_smoke
+	$(PY) -m evals.probe --config configs/probe.yaml run=runs/pretrain_smoke
+	$(PY) -m evals.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
+	$(PY) -m report --cache $(CACHE) --run runs/pretrain_smoke
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
 test: $(STAMP) test-deps
@@ -121,23 +121,23 @@ stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
 
 report: $(STAMP)
-	$(PY) -m octfm.report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(PY) -m report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 probe: $(STAMP)
-	$(PY) -m train.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
+	$(PY) -m evals.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
 
 leaderboard: $(STAMP)
-	$(PY) -m train.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
+	$(PY) -m evals.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
 
 # A model folder others load with train.encoder.load_encoder (safetensors + config.json + model card).
 export: $(STAMP)
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
-	$(PY) -m train.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
+	$(PY) -m evals.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
 
 # One row per cached volume: the manifest's keys and the pooled embedding (resumable).
 embed: $(STAMP)
 	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
-	$(PY) -m train.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(PY) -m evals.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

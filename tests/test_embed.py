@@ -15,7 +15,8 @@ import torch
 
 from conftest import REPO, run_cli
 from cache import store
-from train import data, encoder, features
+from evals import features
+from train import data, encoder
 
 KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label"]
 
@@ -35,7 +36,7 @@ def expected_embeddings(ckpt: str, cache, rows) -> np.ndarray:
 def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, tiny_cache, tmp_path):
     ckpt = probed_checkpoint(tiny_run)
     out = tmp_path / "embeddings.parquet"
-    r = run_cli("train.embed", "--ckpt", ckpt, "--out", str(out), "--chunk", "7", "--no-progress")
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--chunk", "7", "--no-progress")
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(out)
     rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
@@ -47,7 +48,7 @@ def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, ti
     np.testing.assert_allclose(emb[:4], expected_embeddings(ckpt, tiny_cache, rows[:4]), atol=1e-5, rtol=0)
     print(df[KEYS + ["embedding"]].head())
 
-    again = run_cli("train.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    again = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
     assert again.returncode == 0 and f"0 embedded, 0 from the probes' features, {len(rows)} already done" in again.stdout
 
 
@@ -64,7 +65,7 @@ def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
     chunk.unlink()
     os.mkfifo(chunk)
     out = tmp_path / "emb.parquet"
-    args = [sys.executable, "-m", "train.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out),
+    args = [sys.executable, "-m", "evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out),
             "--chunk", "2", "--batch", "1", "--no-progress"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     parts = tmp_path / "emb.parquet.parts"
@@ -80,7 +81,7 @@ def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
 
     chunk.unlink()
     chunk.write_bytes(saved)
-    r = run_cli("train.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out), "--no-progress")
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     assert f"{len(rows) - 4} embedded, 0 from the probes' features, 4 already done" in r.stdout, r.stdout
     assert not parts.exists()

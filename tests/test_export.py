@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from conftest import REPO, run_cli
-from train import data, features
+from evals import features
+from train import data
 
 # A fresh interpreter in which any unpickling fails: loading must get by with JSON and safetensors.
 LOAD_WITHOUT_PICKLE = r"""
@@ -35,7 +36,7 @@ np.savez(sys.argv[3], pooled=out.pooled.numpy(), tokens=out.tokens.numpy())
 def test_export_loads_in_a_fresh_process_and_embeds_like_the_checkpoint(tiny_run, tiny_cache, tmp_path):
     ckpt = tiny_run / "checkpoints" / "step_0000004.pt"
     out = tmp_path / "model"
-    r = run_cli("train.export", "--ckpt", str(ckpt), "--out", str(out))
+    r = run_cli("evals.export", "--ckpt", str(ckpt), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "export:" in r.stdout and "load_encoder" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]

@@ -82,7 +82,7 @@ class CachedVolumeEncoder(nn.Module):
 
 
 def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
-    """A checkpoint's encoder (train.features.load_encoder) as `make export` will load it: the
+    """A checkpoint's encoder (evals.features.load_encoder) as `make export` will load it: the
     same module, so `make embed` from a checkpoint and a loaded model folder agree."""
     return CachedVolumeEncoder(enc, stride, input_shape, data.PIXEL_MEAN, data.PIXEL_STD).eval()
 

@@ -10,8 +10,6 @@ embedded (the feature cache of `make probe` for this checkpoint) are taken from 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import shutil
 import sys
 import time
@@ -25,10 +23,13 @@ import torch
 from tqdm import tqdm
 
 from cache import store
+from evals import features, probe
+from evals.config import ProbeConfig
 from manifests import schema
 from manifests.aireadi import SPLITS
-from octfm import cli, fsio
-from train import data, encoder, features, probe
+from octfm import cli, config, fsio
+from train import data, encoder
+from train.run_folder import RunFolder
 
 KEYS = ("participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label",
         "sop_instance_uid", "relpath", "volume", "cache_key")
@@ -45,7 +46,7 @@ def embed_key(ident: dict, cfg, cache: str) -> str:
     """What the embeddings depend on besides each volume's cache key."""
     blob = {"encoder": ident, "cache": cache, "stride": list(cfg.data.stride), "input": list(cfg.data.input_shape),
             "pooling": "mean", "version": features.FEATURE_VERSION}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+    return config.content_key(blob)
 
 
 def to_table(rows: list[dict], pooled: np.ndarray, schema: pa.Schema) -> pa.Table:
@@ -71,11 +72,11 @@ def done_keys(files: list[Path]) -> set[tuple[str, str]]:
     return keys
 
 
-def probe_features(ckpt_ident: dict, cfg, run: Path, cache: str) -> dict[tuple[str, str], np.ndarray]:
+def probe_features(ckpt_ident: dict, cfg, run: RunFolder, cache: str) -> dict[tuple[str, str], np.ndarray]:
     """Pooled features `make probe` already extracted for this checkpoint (its default
     settings), keyed by (relpath, cache_key); empty when there are none."""
     rows = probe.labelled_rows(cache, 0, False)
-    path = run / "probe" / "features" / f"{features.feature_key(ckpt_ident, rows, cfg, probe.ProbeConfig().token_pool)}.npz"
+    path = run.features / f"{features.feature_key(ckpt_ident, rows, cfg, ProbeConfig().token_pool)}.npz"
     if not rows or not path.exists():
         return {}
     with np.load(path) as z:
@@ -109,8 +110,8 @@ def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: in
           device: str = "cpu", progress: bool = True) -> dict:
     enc, cfg, ident = features.load_encoder(ckpt)
     cache = cache or cfg.data.cache
-    run = Path(cfg.runs_dir) / cfg.name
-    out_path = Path(out) if out else run / "embeddings.parquet"
+    run = RunFolder(Path(cfg.runs_dir) / cfg.name)
+    out_path = Path(out) if out else run.embeddings
     parts = out_path.with_name(out_path.name + ".parts")
     model = encoder.wrap(enc, cfg.data.stride, cfg.data.input_shape).to(device)
     rows = data.select_rows(cache, (*SPLITS, None), None)

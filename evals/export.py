@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Sequence
 
 from cache import store
+from evals import features
 from ingest import preprocess as prep
-from manifests import schema
+from manifests import layout
 from octfm import cli, config, fsio
-from train import data, encoder, features
+from train import data, encoder
 from train.config import TrainConfig
+from train.run_folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +42,7 @@ def cache_provenance(cache: str, cfg: TrainConfig) -> dict:
     """What the encoder was trained on: the cache's code version, stored shape and preprocessing
     parameters (from a volume's attributes), and the training volumes per device."""
     try:
-        rows = schema.read_table(fsio.join(cache, "manifest.parquet"), schema.CACHE_SCHEMA).to_pylist()
+        rows = layout.read_manifest_table(cache).to_pylist()
     except (FileNotFoundError, OSError) as exc:
         print(f"export: warning: cannot read the cache manifest under {cache} ({exc}); config.json records no "
               "preprocessing parameters", flush=True)
@@ -78,12 +80,12 @@ def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) ->
 def probe_results(cfg: TrainConfig, step: int) -> tuple[str, dict[str, dict]]:
     """Probe results for this step: the leaderboard's record of it, else the run's last `make
     probe` (which names no step). Returns (where they came from, {task: result})."""
-    run = Path(cfg.runs_dir) / cfg.name
-    board = run / "probe" / "leaderboard" / f"step_{step:07d}.json"
+    run = RunFolder(Path(cfg.runs_dir) / cfg.name)
+    board = run.stored_result(step)
     if board.exists():
         return f"{board} (this step)", json.loads(board.read_text())["result"]["results"]
-    found = {p.parent.name: json.loads(p.read_text()) for p in sorted((run / "probe").glob("*/metrics.json"))}
-    return (f"{run / 'probe'}/<task>/metrics.json (the run's last `make probe`)", found) if found else ("", {})
+    found = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.probe.glob("*/metrics.json"))}
+    return (f"{run.probe}/<task>/metrics.json (the run's last `make probe`)", found) if found else ("", {})
 
 
 def model_card(conf: dict, probes: tuple[str, dict]) -> str:
