@@ -97,7 +97,7 @@ def guard_driver(out: Path, steps: int, spikes: dict[int, str], overrides: list[
     cmd = [*launch, "tests/guard_driver.py", "--out", str(out), "--steps", str(steps), "--spike-rank", str(spike_rank),
            *[f"--spike={s}:{v}" for s, v in spikes.items()], "--", *overrides]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return [torch.load(out / f"rank{i}.pt", weights_only=True) for i in range(nproc)]
 

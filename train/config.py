@@ -74,6 +74,7 @@ class OnlineProbeConfig:
     k: int = 10                               # neighbours of the k-NN vote (cosine, class-balanced)
     ridge: float = 1.0                        # ridge penalty x rows (features standardised); 0: no ridge score
     batch_size: int = 4                       # volumes per forward (the last batch is padded: one XLA graph)
+    memory_mb: int = 512                      # keep the cropped inputs in memory when they fit (else re-read)
 
 
 @dataclasses.dataclass

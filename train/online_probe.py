@@ -6,6 +6,7 @@ enough to run often; `make probe` stays the measurement that counts."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import numpy as np
@@ -80,23 +81,37 @@ def scores(train_x, train_labels, val_x, val_labels, k: int, penalty: float) -> 
 
 
 class OnlineProbe:
-    """Built once per run (rows chosen, nothing read yet); `__call__` scores an encoder."""
+    """Built once per run (rows chosen, nothing read yet); `__call__` scores an encoder. The
+    cropped uint8 inputs stay in memory after the first call when they fit in
+    online_probe.memory_mb (reading is most of the cost at small model sizes)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, autocast=contextlib.nullcontext):
         self.cfg, self.device, self.autocast = cfg, device, autocast
         self.rows = probe_rows(cfg)
+        n = len(self.rows["train"]) + len(self.rows["val"])
+        self.keep = n * math.prod(cfg.data.input_shape) <= cfg.online_probe.memory_mb * 2 ** 20
+        self._inputs: dict[str, list] = {}
 
     @property
     def usable(self) -> bool:
         return bool(self.rows["train"]) and bool(self.rows["val"])
 
-    @torch.no_grad()
-    def features(self, enc: Encoder, rows: list[dict]) -> np.ndarray:
-        """Pooled features [n, d]; every batch has the same shape (one compiled graph on XLA)."""
+    def inputs(self, split: str):
+        """The split's uint8 batches (padded to one shape), from memory when kept."""
+        if split in self._inputs:
+            return self._inputs[split]
         c = self.cfg
+        batches = encode.volume_batches(c.data.cache, self.rows[split], c.data.stride, c.data.input_shape,
+                                        c.online_probe.batch_size, pad=True)
+        if self.keep:
+            batches = self._inputs[split] = list(batches)
+        return batches
+
+    @torch.no_grad()
+    def features(self, enc: Encoder, split: str) -> np.ndarray:
+        """Pooled features [n, d]; every batch has the same shape (one compiled graph on XLA)."""
         out = []
-        for x, n in encode.volume_batches(c.data.cache, rows, c.data.stride, c.data.input_shape,
-                                          c.online_probe.batch_size, pad=True):
+        for x, n in self.inputs(split):
             with self.autocast():
                 h = encode.tokens(enc, x.to(self.device))
             out.append(encode.pool(h).cpu()[:n])
@@ -106,7 +121,7 @@ class OnlineProbe:
         """The probe record for metrics.jsonl: step, scores per task, rows used and seconds."""
         t0 = time.perf_counter()
         tr, va = self.rows["train"], self.rows["val"]
-        ftr, fva = self.features(enc, tr), self.features(enc, va)
+        ftr, fva = self.features(enc, "train"), self.features(enc, "val")
         p = self.cfg.online_probe
         rec = {"step": step, **scores(ftr, [r["label"] for r in tr], fva, [r["label"] for r in va], p.k, p.ridge)}
         rec.update({"train_rows": len(tr), "val_rows": len(va), "seconds": round(time.perf_counter() - t0, 3)})

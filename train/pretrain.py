@@ -85,17 +85,22 @@ def guarded_step(opt: torch.optim.Optimizer, ok: torch.Tensor) -> None:
     optimizer state it touches (AdamW moments and step count) are copied first and selected
     back with torch.where. A skip is exact (NaN gradients included), needs no host sync and is
     one code path, so XLA compiles one graph whatever the decision. A state the step created
-    (first update) falls back to zeros, AdamW's initial state."""
-    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)})
-              for p in params]
+    (first update) falls back to zeros, AdamW's initial state. A group whose lr is 0 keeps its
+    weights as they were (capturable AdamW divides by the lr: 0/0 where a moment is 0)."""
+    before = []
+    for g in opt.param_groups:
+        moved = ok & (torch.as_tensor(g["lr"], device=ok.device) != 0)
+        for p in g["params"]:
+            if p.grad is not None:
+                state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                before.append((p, moved, p.detach().clone(), state))
     opt.step()
-    for p, (old, old_state) in zip(params, before):
-        p.copy_(torch.where(ok, p, old))
+    for p, moved, old, old_state in before:
+        torch.where(moved, p, old, out=p)
         for k, v in opt.state[p].items():
             if torch.is_tensor(v):
                 prev = old_state[k] if k in old_state else torch.zeros_like(v)
-                v.copy_(torch.where(ok.to(v.device), v, prev))
+                torch.where(ok.to(v.device), v, prev, out=v)
 
 
 class Trainer:
