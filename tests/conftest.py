@@ -96,7 +96,7 @@ def guard_driver(out: Path, steps: int, spikes: dict[int, str], overrides: list[
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     cmd = [*launch, "tests/guard_driver.py", "--out", str(out), "--steps", str(steps), "--spike-rank", str(spike_rank),
            *[f"--spike={s}:{v}" for s, v in spikes.items()], "--", *overrides]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return [torch.load(out / f"rank{i}.pt", weights_only=True) for i in range(nproc)]
@@ -296,13 +296,13 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_cache, tmp_path_factory) -> Path:
-    """A 4-step run on tiny_cache with validation, W&B offline (checkpoints as artifacts) and a
-    small probe: the run folder `make report` and the W&B test read."""
+    """A 4-step run on tiny_cache with validation, the online probe, W&B offline (checkpoints as
+    artifacts) and a small probe: the run folder `make report` and the W&B test read."""
     root = tmp_path_factory.mktemp("tiny_run")
     env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     args = tiny_train_args(tiny_cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
-                           val_batches=1, **{"wandb.enabled": "true", "wandb.mode": "offline",
-                                             "wandb.log_checkpoints": "true"})
+                           val_batches=1, eval_every=2, **{"wandb.enabled": "true", "wandb.mode": "offline",
+                                                           "wandb.log_checkpoints": "true", "online_probe.k": 3})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     run = root / "runs" / "tiny"

@@ -260,8 +260,9 @@ def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_r
         row = json.loads(line)
         split, step = row.pop("split"), row.pop("step")
         expected.setdefault(step, {}).update({f"{split}/{k}": v for k, v in row.items()})
-    assert sorted(history) == sorted(expected) == [1, 2, 3, 4]
+    assert sorted(history) == sorted(expected) == [0, 1, 2, 3, 4]
     assert "val/loss" in history[2] and "val/loss" in history[4]
+    assert all(f"probe/{t}/knn_bal_acc" in history[s] for t in ("study_group", "diabetic") for s in (0, 2, 4))
     for step, want in expected.items():
         assert history[step] == pytest.approx(want), step  # same names, same values as metrics.jsonl
     cfg = yaml.safe_load((tiny_run / "config.yaml").read_text())
