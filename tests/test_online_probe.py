@@ -7,7 +7,8 @@ import pytest
 from conftest import run_cli, tiny_train_args
 
 from octfm import config
-from train import features, online_probe
+from evals import features
+from train import online_probe
 from train.config import TrainConfig
 from train.model import Encoder
 
@@ -23,7 +24,7 @@ def planted(n: int, classes: int, signal: float, seed: int, weights=None):
 
 @pytest.mark.parametrize("predict", ["knn", "ridge"])
 def test_classifiers_find_a_planted_class_and_stay_at_chance_without_one(predict):
-    from train.probe_metrics import balanced_accuracy
+    from octfm.scores import balanced_accuracy
 
     def score(signal, weights=None):
         xtr, ytr = planted(200, 4, signal, 0, weights)

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import torch
 
+from manifests.aireadi import TASKS
+from octfm.scores import balanced_accuracy
 from train import data, encode
 from train.config import TrainConfig
 from train.model import Encoder
-from train.probe import TASKS
-from train.probe_metrics import balanced_accuracy
 
 
 def evenly_spaced(rows: list[dict], cap: int) -> list[dict]:

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from octfm import cli, config, fsio
-from train import checkpoint, data, masks, metrics, online_probe, runtime, schedule
+from train import checkpoint, data, masks, metrics, online_probe, run_folder, runtime, schedule
+from train.run_folder import RunFolder
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, target_features
 
@@ -109,7 +110,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rt: runtime.Runtime, ckpt: str | None = None):
         self.cfg, self.rt = cfg, rt
         self.run_dir = Path(cfg.runs_dir) / cfg.name
-        self.ckpt_dir = cfg.ckpt_dir or str(self.run_dir / "checkpoints")
+        self.ckpt_dir = cfg.ckpt_dir or run_folder.default_checkpoints(self.run_dir)
         torch.manual_seed(cfg.seed)
         self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
         if not self.rows:
@@ -142,8 +143,8 @@ class Trainer:
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
             "scheduler": {"step": self.step, "lr": float(self.lr), "ema_momentum": float(self.momentum)},
             "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
-            "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(), "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg),
-            "world": self.rt.world,
+            "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(),
+            "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
         })
 
     def _maybe_resume(self, ckpt: str | None) -> str | None:
@@ -367,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer(cfg, rt, a.ckpt)
     if rt.is_master:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        fsio.atomic_write_bytes(str(trainer.run_dir / "config.yaml"),
+        fsio.atomic_write_bytes(str(RunFolder(trainer.run_dir).config),
                                 yaml.safe_dump(config.to_dict(cfg), sort_keys=False).encode())
         where = f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from scratch"
         print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
@@ -376,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
-        from train.plots import plot_metrics
+        from train.curves import plot_metrics
 
         png = plot_metrics(trainer.run_dir)
         print(f"pretrain: curves in {png}")
