@@ -39,7 +39,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -47,6 +47,7 @@ help:
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
+	@echo "make learning-check  [SOURCE=<labelled dataset root>] [ARGS='max_steps=3000']: pretrained vs random-init encoder"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -98,6 +99,10 @@ test-xla: xla-venv
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
+
+# SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
+learning-check: $(STAMP)
+	$(PY) -m evals.learning_check $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
