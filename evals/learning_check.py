@@ -258,6 +258,28 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     return result
 
 
+def probe_line(probe_dir: Path) -> str:
+    """One line from a run's probe reports: pretrained vs random-init test balanced accuracy
+    with intervals, each encoder with its head chosen on val (the demo ends with it)."""
+    parts = []
+    for task in (BINARY, MULTI):
+        path = probe_dir / task / "metrics.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
+        enc = {}
+        for name in ("pretrained", "random_init"):
+            head = chosen_on_val(res, name)
+            t = next(p for p in res["probes"] if p["encoder"] == name and p["head"] == head)["test"]
+            lo, hi = t["balanced_accuracy_ci95"]
+            enc[name] = f"{t['balanced_accuracy']:.2f} [{lo:.2f}, {hi:.2f}]"
+        parts.append(f"{task} {enc['pretrained']} vs {enc['random_init']}")
+    if not parts:
+        raise cli.UsageError(f"{probe_dir}: no probe reports (run `make probe` first)")
+    return ("pretrained vs random-init encoder, test balanced accuracy [95% CI over participants], heads chosen "
+            "on val: " + "; ".join(parts))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="make learning-check", description=__doc__)
     ap.add_argument("--source", default=None, help="AI-READI-shaped dataset root with labels (default: the cohort)")
@@ -267,8 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--participants", type=int, default=COHORT.participants, help="cohort size")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
+    ap.add_argument("--line", metavar="RUN", default=None,
+                    help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
     a = ap.parse_args(argv)
+    if a.line:
+        print(probe_line(Path(a.line) / "probe"))
+        return 0
     t0 = time.perf_counter()
     r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.participants, a.bootstrap, a.probe)
     print(markdown(r))
