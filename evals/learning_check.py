@@ -78,14 +78,15 @@ def build_cache(source: str, cache: Path) -> str:
     return str(cache)
 
 
-def recipe_name(config_path: str, overrides: Sequence[str]) -> str:
-    """A run name per recipe, so a changed ARGS trains afresh and an unchanged one resumes."""
-    blob = Path(config_path).read_text() + "\n".join(overrides)
+def recipe_name(config_path: str, cache: str, overrides: Sequence[str]) -> str:
+    """A run name per recipe and cache, so a changed ARGS or SOURCE trains afresh and an
+    unchanged one resumes."""
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
 def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[str]) -> Path:
-    name = recipe_name(config_path, overrides)
+    name = recipe_name(config_path, cache, overrides)
     args = ["--config", config_path, f"data.cache={cache}", f"runs_dir={out}", f"name={name}", *overrides]
     pretrain.main(args)  # raises on failure; resumes the run's newest checkpoint, or has nothing to do
     return out / name

@@ -33,6 +33,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     for name in ("result.md", "result.png"):
         assert (out / name).stat().st_size > 0
     assert "## diabetic" in (out / "result.md").read_text()
+    line = run_cli("evals.learning_check", "--line", res["run"])    # the demo's last line, from the probe reports
+    assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
+    assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     again = run_cli("evals.learning_check", *args)
     assert again.returncode == 0, again.stderr[-3000:]

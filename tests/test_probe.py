@@ -110,6 +110,9 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
     for name in ("metrics.json", "report.md", "confusion.png", "roc.png"):
         assert (task_dir / name).stat().st_size > 0
     metrics = json.loads((task_dir / "metrics.json").read_text())
+    pre = [p for p in metrics["probes"] if p["encoder"] == "pretrained"]   # the plots show the head chosen on val
+    assert metrics["plotted_head"] == max(pre, key=lambda p: probe.val_rank(p["val_balanced_accuracy"],
+                                                                            p["val_auroc"]))["head"]
     test_devices = set(metrics["per_device"]["linear"])
     assert len(test_devices) >= 2 and test_devices <= {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton",
                                                        "zeiss_cirrus"}
