@@ -25,11 +25,15 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
+from evals import probe
+from evals import probe_metrics as pm
+from evals.config import ProbeConfig
 from ingest import synth
-from octfm import cli, config, fsio
-from train import checkpoint, plots, pretrain, probe
-from train import probe_metrics as pm
+from manifests.aireadi import TASKS
+from octfm import cli, config, fsio, plots
+from train import checkpoint, pretrain
 from train.config import TrainConfig
+from train.run_folder import RunFolder
 
 COHORT = synth.SynthConfig(participants=200, scale=4, seed=16, lesions=1.0, bad_files=False, unlabeled=0)
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
@@ -101,7 +105,7 @@ def chosen_on_val(res: dict, encoder: str) -> str:
 def compare(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, seed: int) -> dict:
     """Test balanced accuracy of each encoder and the paired difference pretrained - random,
     for each head kind and for the head each encoder chose on val."""
-    spec = probe.TASKS[task]
+    spec = TASKS[task]
     y = np.array([spec["map"](r["label"]) for r in rows])
     test = np.array([r["split"] == "test" for r in rows])
     groups = np.array([r["participant_id"] for r in rows])[test]
@@ -127,16 +131,18 @@ def compare(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, se
 
 def online_curve(run_dir: Path) -> list[dict]:
     """The run's online-probe records (`probe/<task>/...` keys in metrics.jsonl), when it logged any."""
-    path = run_dir / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    recs = _records(run_dir)
     return [{"step": r["step"], **{k: v for k, v in r.items() if k.startswith("probe/")}}
             for r in recs if any(k.startswith("probe/") for k in r)]
 
 
+def _records(run_dir: Path) -> list[dict]:
+    path = RunFolder(run_dir).metrics
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def training_summary(run_dir: Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    train = [r for r in recs if "loss" in r and "rankme" in r]
+    train = [r for r in _records(run_dir) if "loss" in r and "rankme" in r]
     if not train:
         return {}
     return {"steps": train[-1]["step"], "loss": [train[0]["loss"], train[-1]["loss"]],
@@ -239,12 +245,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
-    ckpt = checkpoint.newest_whole(str(run_dir / "checkpoints"))
-    pcfg = config.load(probe.ProbeConfig, "configs/probe.yaml",
+    ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
+    pcfg = config.load(ProbeConfig, "configs/probe.yaml",
                        [f"cache={cache}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
                         "baselines=true", *probe_args])
     preds: dict = {}
-    res = stages.run("probe", lambda: probe.probe_checkpoint(pcfg, ckpt, run_dir / "probe", predictions=preds))
+    res = stages.run("probe", lambda: probe.probe_checkpoint(pcfg, ckpt, RunFolder(run_dir).probe, predictions=preds))
     result = {"source": source, "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": res["step"],
               "overrides": list(overrides), "bootstrap": n_boot, "target": TARGET,
               "features_reused": res["features_reused"],
@@ -295,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
     a = ap.parse_args(argv)
     if a.line:
-        print(probe_line(Path(a.line) / "probe"))
+        print(probe_line(RunFolder(a.line).probe))
         return 0
     t0 = time.perf_counter()
     r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.participants, a.bootstrap, a.probe)

@@ -18,7 +18,7 @@ from pydicom.pixels import get_decoder
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
 OCT_SOP_CLASSES = {OPT_SOP_CLASS, "1.2.840.10008.5.1.4.1.1.77.1.5.8"}
-DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (measured; ENVIRONMENT.md)
+DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (docs/measurements.md)
 
 
 class BadInput(Exception):
