@@ -34,7 +34,7 @@ class PreprocessConfig:
     decoder: str = "auto"                                  # auto | gdcm | pylibjpeg | pillow
     max_voxels: int = 512 * 1024 * 1024                    # refuse larger headers before decoding
     accept_any_sop: bool = False                           # test hook: MR files relabelled as OPT
-    slab_frames: int = 16                                  # frames resized at once (memory bound)
+    slab_frames: int = 16                                  # source frames in float32 at once (memory bound)
     orientation: list[FlipRule] = dataclasses.field(
         default_factory=lambda: [FlipRule(device="heidelberg_spectralis", match="octa", axes=[0])])
 
