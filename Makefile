@@ -73,9 +73,9 @@ demo: $(STAMP)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
-	$(PY) -m train.probe --config configs/probe.yaml run=runs/pretrain_smoke
-	$(PY) -m train.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
-	$(PY) -m octfm.report --cache $(CACHE) --run runs/pretrain_smoke
+	$(PY) -m evals.probe --config configs/probe.yaml run=runs/pretrain_smoke
+	$(PY) -m evals.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
+	$(PY) -m report --cache $(CACHE) --run runs/pretrain_smoke
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 
 test: $(STAMP) test-deps
@@ -118,13 +118,13 @@ stage: $(STAMP)
 	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
 
 report: $(STAMP)
-	$(PY) -m octfm.report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(PY) -m report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 probe: $(STAMP)
-	$(PY) -m train.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
+	$(PY) -m evals.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
 
 leaderboard: $(STAMP)
-	$(PY) -m train.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
+	$(PY) -m evals.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

@@ -8,8 +8,6 @@ becomes a failed row; a crashed worker is retried once, then its row fails.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -27,10 +25,11 @@ from cache.config import CacheConfig
 from cache.worker import SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
 from ingest import preprocess as prep
 from manifests import build as manifest_build
-from manifests import schema
+from manifests import layout, schema
 from octfm import cli, config, fsio
 
-OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation")
+# the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
+OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "decoder")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -57,7 +56,7 @@ def cache_key(row: dict, cfg: CacheConfig) -> str:
         "sha1": row.get("expected_sha1"), "md5": row.get("expected_md5"),
         "params": {k: p[k] for k in OUTPUT_KEYS}, "code": prep.CODE_VERSION,
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return config.content_key(ident, 20)
 
 
 # ---------------------------------------------------------------- driver side
@@ -70,7 +69,7 @@ def source_location(uri: str) -> str:
 
 def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
     """<CACHE>/sources.parquet, built from SOURCE when missing or made for another root."""
-    uri = fsio.join(cache_root, "sources.parquet")
+    uri = layout.sources_uri(cache_root)
     root = source.rstrip("/")
     if fsio.exists(uri):
         rows = schema.read_table(uri, schema.SOURCES_SCHEMA).to_pylist()
@@ -83,24 +82,20 @@ def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
     return rows
 
 
-def part_uri(cache_root: str, shard: tuple[int, int]) -> str:
-    return fsio.join(cache_root, "manifest.parquet", f"part-{shard[0]:04d}-of-{shard[1]:04d}.parquet")
+part_uri = layout.part_uri
 
 
 def previous_rows(cache_root: str, shard: tuple[int, int]) -> dict[str, dict]:
-    uri = part_uri(cache_root, shard)
-    if not fsio.exists(uri):
-        return {}
     try:
-        rows = schema.read_table(uri, schema.CACHE_SCHEMA).to_pylist()
+        table = layout.read_part(cache_root, shard)
     except Exception:  # noqa: BLE001 - an unreadable old part only costs a recheck
         return {}
-    return {r["relpath"]: r for r in rows}
+    return {r["relpath"]: r for r in table.to_pylist()} if table is not None else {}
 
 
 def existing_arrays(cache_root: str) -> set[str]:
     """Volume paths (relative) that have array metadata, from one listing."""
-    fs, base = fsio.filesystem(fsio.join(cache_root, "volumes"))
+    fs, base = fsio.filesystem(layout.volumes_uri(cache_root))
     if not fs.exists(base):
         return set()
     prefix = fsio.filesystem(cache_root)[1].rstrip("/") + "/"
@@ -213,8 +208,9 @@ def fail_duplicate_uids(rows: list[dict]) -> list[dict]:
     """Headers can reveal duplicates manifest.tsv could not (unlisted files): the first path
     keeps the image, later ones fail (in the rows returned; the inputs are not changed).
     Their arrays stay on disk, unreferenced, so a re-run reuses them and reaches the same
-    verdict. Within one shard: duplicates in different shards are not seen."""
-    dups = manifest_build.duplicate_uids(r for r in rows if r["status"] == "ok")
+    verdict. Within one shard: duplicates in different shards fail when the parts are read
+    together (manifests/layout.read_manifest_table)."""
+    dups = layout.duplicate_uids(r for r in rows if r["status"] == "ok")
     return [{**r, "status": "failed", "volume": None,
              "error": f"duplicate SOP instance UID: {r['sop_instance_uid']} is also {dups[r['relpath']]}"}
             if r["relpath"] in dups else r for r in rows]
@@ -266,12 +262,12 @@ class AbortRule:
 def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
     """Drop parts written with another N (superseded by this sharding) and this part's
     temp files from a killed run."""
-    fs, base = fsio.filesystem(fsio.join(cache_root, "manifest.parquet"))
+    fs, base = fsio.filesystem(layout.manifest_uri(cache_root))
     if not fs.isdir(base):
         if fs.exists(base):
             fs.rm(base)
         return
-    mine = os.path.basename(part_uri(cache_root, shard))
+    mine = layout.part_name(shard)
     for p in fs.ls(base, detail=False):
         name = os.path.basename(p)
         if (name.startswith("part-") and not name.endswith(f"-of-{shard[1]:04d}.parquet")) or \
@@ -303,7 +299,7 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     """Build (or complete) this shard of the cache. Returns its manifest rows."""
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
-    store.remove_stale_temps(cache_root, tag)
+    fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run
     rows = [r for r in load_sources(source, cache_root) if in_shard(r["relpath"], shard)]
     done, todo = plan(rows, cfg, cache_root, shard)
     reused = sum(1 for r in done if r.pop("reused", False))

@@ -1,6 +1,7 @@
 """`make stage CACHE=gs://... LOCAL=...`: copy a cache to local SSD with rclone, then verify.
 
-Verification is `rclone check --one-way` with MD5 (GCS stores it; local files are hashed),
+The copy is `make mirror`'s (octfm/rclone_io.copy: rclone's retries with backoff, and a clean
+abort naming the last errors when rclone gives up). Verification is `rclone check --one-way` with MD5 (GCS stores it; local files are hashed),
 so every byte the trainer will read is compared, not only sizes.
 """
 from __future__ import annotations
@@ -14,15 +15,15 @@ from rclone_python import rclone
 from octfm import cli, rclone_io
 
 
-def stage(cache: str, local: str, transfers: int = 32, progress: bool = True) -> dict:
+def stage(cache: str, local: str, transfers: int = 32, progress: bool = True,
+          retries: rclone_io.Retries = rclone_io.Retries()) -> dict:
     rclone_io.setup()
     src = rclone_io.remote_path(cache)
     t0 = time.perf_counter()
     files = rclone_io.list_files(src)
     if not files:
         raise cli.UsageError(f"CACHE={cache}: no files found")
-    rclone.copy(src, local, show_progress=progress,
-                args=[f"--transfers {transfers}", "--checkers 64", "--fast-list", "--retries 5"])
+    rclone_io.copy(src, local, transfers, 64, progress, retries, rerun="make stage")
     ok, report = rclone.check(src, local, one_way=True, args=["--fast-list", "--checkers 64"])
     bad = [(sym, path) for sym, path in report if sym != "="]
     return {"files": len(files), "bytes": sum(int(f["Size"]) for f in files), "ok": ok and not bad, "bad": bad,

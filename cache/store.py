@@ -73,18 +73,3 @@ def read_volume(cache_root: str, rel: str) -> np.ndarray:
     """The whole cached volume as a numpy uint8 array [D, H, W]."""
     arr = zarr.open_array(store=_store(fsio.join(cache_root, rel), True), mode="r")
     return arr[...]
-
-
-def remove_stale_temps(cache_root: str, tag: str) -> int:
-    """Delete temp arrays an earlier killed run of this shard left behind (local caches)."""
-    if fsio.is_remote(cache_root) or not os.path.isdir(cache_root):
-        return 0
-    n = 0
-    marker = f".tmp-{tag}-"
-    for dirpath, dirnames, _ in os.walk(cache_root):
-        for d in list(dirnames):
-            if marker in d:
-                shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
-                n += 1
-        dirnames[:] = [d for d in dirnames if marker not in d and not d.endswith(".zarr")]
-    return n

@@ -14,8 +14,7 @@ from cache import store
 from cache.config import CacheConfig
 from ingest import preprocess as prep
 from ingest.dicom import BadInput, read_volume
-from manifests import build as manifest_build
-from manifests import schema
+from manifests import layout, schema
 from octfm import archives, config, fsio
 
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
@@ -23,8 +22,7 @@ VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAME
 
 
 def volume_path(relpath: str) -> str:
-    rel = relpath.removeprefix(manifest_build.OCT_DIR + "/")
-    return "volumes/" + (rel[:-4] if rel.lower().endswith(".dcm") else rel) + ".zarr"
+    return layout.volume_relpath(relpath)
 
 
 def _init_worker() -> None:

@@ -19,7 +19,7 @@ from pydicom.pixels import get_decoder
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
 OCT_SOP_CLASSES = {OPT_SOP_CLASS, "1.2.840.10008.5.1.4.1.1.77.1.5.8"}
-DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first: `make bench`, table "JPEG 2000 decoders"
+DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (docs/measurements.md; `make bench`)
 PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
 LONG_LENGTH_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
 

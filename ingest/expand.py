@@ -24,7 +24,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from manifests.build import MIRROR_RECORD
+from manifests.layout import MIRROR_RECORD
 from octfm import archives, cli, fsio
 
 CHUNK = 4 << 20
@@ -36,16 +36,7 @@ class VerifyError(Exception):
 
 def list_tree(root: str) -> dict[str, int]:
     """relpath -> size of every file under `root`, from one listing ({} when absent)."""
-    fs, base = fsio.filesystem(root)
-    if not fs.isdir(base):
-        return {}
-    base_norm = base.rstrip("/") + "/"
-    out = {}
-    for path, info in fs.find(base, detail=True).items():
-        if info.get("type") != "directory":
-            rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
-            out[rel.replace(os.sep, "/")] = int(info.get("size") or 0)
-    return out
+    return {rel: int(info.get("size") or 0) for rel, info in fsio.list_tree(root).items()}
 
 
 def file_crc(uri: str) -> int:
@@ -163,14 +154,9 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
         if error:
             results.append({"path": rel, "status": "failed", "error": error, "bytes": 0, "archive": True})
             continue
-        keep = []
-        for m in members:
-            if m.relpath in seen:
-                results.append({"path": m.relpath, "status": "failed", "bytes": 0,
-                                "error": f"duplicate: {rel} holds a path already in {seen[m.relpath]}"})
-            else:
-                seen[m.relpath] = rel
-                keep.append(m)
+        keep, dups = archives.first_source_wins(members, rel, seen)
+        results += [{"path": m.relpath, "status": "failed", "bytes": 0,
+                     "error": f"duplicate: {rel} holds a path already in {holder}"} for m, holder in dups]
         jobs[rel] = keep
     fsio.remove_stale_temps(dst, recursive=True)  # temp files of a run killed mid-write
     existing = list_tree(dst)

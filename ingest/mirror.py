@@ -8,26 +8,20 @@ against it. Files the listing had no SHA-1 for (B2 large files) are marked as su
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Sequence
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 from rclone_python import rclone
-from rclone_python.utils import RcloneException
 
-from manifests.build import MIRROR_RECORD
+from manifests import layout
+from manifests.layout import MIRROR_RECORD
 from octfm import cli, rclone_io
+from octfm.rclone_io import Retries
 
-RECORD_SCHEMA = pa.schema([
-    pa.field("path", pa.string()), pa.field("size", pa.int64()), pa.field("sha1", pa.string()),
-    pa.field("md5", pa.string()), pa.field("mod_time", pa.string()), pa.field("hash_note", pa.string()),
-    pa.field("verified", pa.bool_()), pa.field("recorded_at", pa.string()),
-])
 
 
 def record_rows(src_files: list[dict], dst_files: list[dict], now: str) -> tuple[list[dict], list[str]]:
@@ -55,42 +49,8 @@ def record_rows(src_files: list[dict], dst_files: list[dict], now: str) -> tuple
     return rows, problems
 
 
-@dataclasses.dataclass
-class Retries:
-    """rclone's own retry loops: whole-copy passes (with a sleep between), and per-request
-    retries with exponential backoff inside each pass."""
-    passes: int = 5
-    low_level: int = 20
-    sleep: str = "10s"
-
-    def args(self) -> list[str]:
-        return [f"--retries {self.passes}", f"--low-level-retries {self.low_level}", f"--retries-sleep {self.sleep}"]
-
-
-def copy(src: str, dst: str, transfers: int, checkers: int, progress: bool, retries: Retries = Retries()) -> int:
-    """rclone copy; returns how many files it transferred. When rclone gives up, the job stops
-    with its last error lines; files it finished are in place, and a re-run copies the rest."""
-    seen = {"transfers": 0}
-
-    def listener(update: dict) -> None:
-        stats = update.get("rclone_output") or {}
-        seen["transfers"] = max(seen["transfers"], int(stats.get("transfers", 0) or 0))
-
-    args = [f"--transfers {transfers}", f"--checkers {checkers}", "--fast-list",
-            f"--exclude /{MIRROR_RECORD}", *retries.args()]
-    try:
-        rclone.copy(src, dst, show_progress=progress, listener=listener, args=args)
-    except RcloneException as exc:
-        lines = [ln for ln in str(exc.error_msg or "").splitlines() if "ERROR" in ln or "Failed" in ln]
-        raise cli.JobAborted(
-            f"rclone copy {src} -> {dst} failed after {retries.passes} passes with retries and backoff:\n  "
-            + "\n  ".join(lines[-5:] or [str(exc)[-500:]])
-            + "\nFiles already copied are kept; re-run `make mirror` to copy the rest.") from None
-    return seen["transfers"]
-
-
 def write_record(rows: list[dict], dst: str) -> None:
-    table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
+    table = layout.mirror_record_table(rows)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, MIRROR_RECORD)
         pq.write_table(table, local, compression="zstd")
@@ -105,7 +65,8 @@ def mirror(src: str, dst: str, transfers: int = 16, checkers: int = 32, progress
     src_files = rclone_io.list_files(src_r, hashes=("sha1", "md5"))
     if not src_files:
         raise cli.UsageError(f"SRC={src}: no files found (wrong remote or path?)")
-    copied = copy(src_r, dst_r, transfers, checkers, progress, retries)
+    copied = rclone_io.copy(src_r, dst_r, transfers, checkers, progress, retries, exclude=(MIRROR_RECORD,),
+                            rerun="make mirror")
     dst_files = rclone_io.list_files(dst_r, hashes=("md5",))
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rows, problems = record_rows(src_files, dst_files, now)
@@ -130,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                retries=Retries(a.retries, a.low_level_retries, a.retries_sleep))
     print(f"mirror: {a.src} -> {a.dst}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB; copied {s['copied']} this run; "
           f"SHA-1 recorded for {s['with_sha1']}, MD5 for {s['with_md5']}; {s['seconds']:.1f}s")
-    print(f"mirror: record written to {a.dst.rstrip('/')}/{MIRROR_RECORD}")
+    print(f"mirror: record written to {layout.mirror_record_uri(a.dst)}")
     return cli.report_verification("mirror", s["problems"],
                                    f"{s['files']} files (size{', MD5' if s['with_md5'] else ''})")
 

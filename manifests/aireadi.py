@@ -6,9 +6,9 @@ import re
 
 import pandas as pd
 
-from octfm.cli import UsageError
+from octfm.errors import DataError
 
-# The 4-class label, in the order DESIGN.md fixes (label = index).
+# The 4-class label (label = index), in AI-READI's order of disease severity (docs/architecture.md).
 STUDY_GROUPS = (
     "healthy",
     "pre_diabetes_lifestyle_controlled",
@@ -17,6 +17,12 @@ STUDY_GROUPS = (
 )
 DEVICES = ("heidelberg_spectralis", "topcon_maestro2", "topcon_triton", "zeiss_cirrus")
 SPLITS = ("train", "val", "test")
+# Probe tasks on the label: the trainer's online probe (train/) and the offline probes (evals/) share them.
+TASKS = {
+    "study_group": {"classes": 4, "names": list(STUDY_GROUPS), "map": lambda label: label},
+    # diabetic: oral medication / non-insulin injectable (2) or insulin dependent (3) vs not
+    "diabetic": {"classes": 2, "names": ["not_diabetic", "diabetic"], "map": lambda label: int(label >= 2)},
+}
 SITES = ("UW", "UAB", "UCSD")
 
 PARTICIPANT_COLUMNS = ("participant_id", "study_group")
@@ -38,7 +44,7 @@ def read_tsv(text: str, where: str) -> pd.DataFrame:
     try:
         df = pd.read_csv(io.StringIO(text), sep="\t", dtype=str, keep_default_na=False)
     except Exception as exc:  # pandas raises several parser error types
-        raise UsageError(f"{where}: cannot parse as TSV: {exc}") from exc
+        raise DataError(f"{where}: cannot parse as TSV: {exc}") from exc
     df.columns = [c.strip() for c in df.columns]
     return df.apply(lambda col: col.str.strip())
 
@@ -46,7 +52,7 @@ def read_tsv(text: str, where: str) -> pd.DataFrame:
 def _require(df: pd.DataFrame, columns, where: str) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise UsageError(f"{where}: missing column(s) {', '.join(missing)}; found {', '.join(df.columns)}")
+        raise DataError(f"{where}: missing column(s) {', '.join(missing)}; found {', '.join(df.columns)}")
 
 
 def parse_participants(text: str, where: str = "participants.tsv") -> tuple[pd.DataFrame, list[str]]:
@@ -66,7 +72,7 @@ def parse_participants(text: str, where: str = "participants.tsv") -> tuple[pd.D
         conflicting = dup.groupby("participant_id").filter(lambda g: len(g.drop_duplicates()) > 1)
         if len(conflicting):
             ids = sorted(conflicting["participant_id"].unique())[:10]
-            raise UsageError(f"{where}: participant_id listed more than once with different values: {', '.join(ids)}")
+            raise DataError(f"{where}: participant_id listed more than once with different values: {', '.join(ids)}")
         warnings.append(f"{where}: {dup['participant_id'].nunique()} participant(s) listed twice with identical rows (kept once)")
         df = df.drop_duplicates("participant_id")
     groups = df["study_group"].str.lower()

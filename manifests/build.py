@@ -6,20 +6,18 @@ retinal_oct/ that manifest.tsv does not list. Labels and splits are joined by pa
 from __future__ import annotations
 
 import argparse
-import os
 import posixpath
 import time
 from collections import Counter
 from typing import Sequence
 
 import pandas as pd
-import pyarrow.parquet as pq
 
-from manifests import aireadi, schema, splits
+from manifests import aireadi, layout, schema, splits
+from manifests.layout import OCT_DIR
 from octfm import archives, cli, fsio
+from octfm.errors import DataError
 
-MIRROR_RECORD = "octfm_mirror.parquet"
-OCT_DIR = "retinal_oct"
 
 
 def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -29,19 +27,10 @@ def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
     members alike (octfm/archives.py maps a member to the path it stands for), and
     archive relpath -> {members, error} for every archive found.
     """
-    fs, base = fsio.filesystem(root)
-    oct_dir = posixpath.join(base.rstrip("/"), OCT_DIR)
-    if not fs.exists(oct_dir):
-        return {}, {}
-    found = fs.find(oct_dir, detail=True)
-    base_norm = base.rstrip("/") + "/"
     out: dict[str, dict] = {}
     zips: list[str] = []
-    for path, info in found.items():
-        if info.get("type") == "directory":
-            continue
-        rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
-        rel = rel.replace(os.sep, "/")
+    for sub, info in fsio.list_tree(fsio.join(root, OCT_DIR)).items():
+        rel = f"{OCT_DIR}/{sub}"
         if archives.is_archive(rel):
             zips.append(rel)
             continue
@@ -55,12 +44,11 @@ def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str,
     """Add every archive's members to `listing` (a path already present keeps its first
     source) and return archive relpath -> {members, error, duplicates}."""
     report: dict[str, dict] = {}
+    seen = dict.fromkeys(listing, "a plain file")
     for rel, (members, error) in archives.list_archives(root, zips).items():
-        report[rel] = {"members": len(members), "error": error, "duplicates": []}
-        for m in members:
-            if m.relpath in listing:
-                report[rel]["duplicates"].append(m.relpath)
-                continue
+        keep, dups = archives.first_source_wins(members, rel, seen)
+        report[rel] = {"members": len(members), "error": error, "duplicates": [m.relpath for m, _ in dups]}
+        for m in keep:
             listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
                                   "error": m.error}
     return report
@@ -74,16 +62,6 @@ def _absent_reason(rel: str, zips: dict[str, dict]) -> str:
         return zips[broken[0]]["error"] + (f" (or one of {len(broken) - 1} other unreadable archive(s) here)"
                                            if len(broken) > 1 else "")
     return "missing: listed in manifest.tsv but not found in the dataset"
-
-
-def read_mirror_record(root: str) -> dict[str, dict]:
-    """relpath -> expected hashes, from the record `make mirror` left beside the dataset."""
-    uri = fsio.join(root, MIRROR_RECORD)
-    if not fsio.exists(uri):
-        return {}
-    fs, path = fsio.filesystem(uri)
-    rows = pq.read_table(path, filesystem=fs, columns=["path", "sha1", "md5"]).to_pylist()
-    return {r["path"]: {"sha1": r["sha1"], "md5": r["md5"]} for r in rows}
 
 
 def _clean(v):
@@ -103,12 +81,12 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     p_uri, m_uri = fsio.join(root, "participants.tsv"), fsio.join(root, OCT_DIR, "manifest.tsv")
     for uri in (p_uri, m_uri):
         if not fsio.exists(uri):
-            raise cli.UsageError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
+            raise DataError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
     participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
     participants, n_resplit = splits.fill_splits(participants, seed=seed)
     oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
     listing, zips = list_dataset(root)
-    mirror = read_mirror_record(root)
+    mirror = layout.read_mirror_record(root)
     people = participants.set_index("participant_id")
 
     rows: list[dict] = []
@@ -181,7 +159,7 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         rows.append(row)
 
     by_rel = {r["relpath"]: r for r in rows}
-    for rel, first in duplicate_uids(r for r in rows if not r["manifest_error"]).items():
+    for rel, first in layout.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
         row = by_rel[rel]
         row["manifest_error"] = f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}"
     if unknown_participants:
@@ -198,24 +176,6 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
         "warnings": warnings, "archives": _archive_summary(zips, listing, rows),
     }
     return rows, summary
-
-
-def duplicate_uids(rows) -> dict[str, str]:
-    """relpath -> the relpath that keeps the image, for every later row whose SOP instance UID
-    repeats an earlier one (by path order, so the choice is the same on every run). A repeated
-    UID is the same image stored twice (or a broken export): training on both would weight it
-    double and could put one image in two splits."""
-    first: dict[str, str] = {}
-    dups: dict[str, str] = {}
-    for row in sorted(rows, key=lambda r: r["relpath"]):
-        uid = row.get("sop_instance_uid")
-        if not uid:
-            continue
-        if uid in first:
-            dups[row["relpath"]] = first[uid]
-        else:
-            first[uid] = row["relpath"]
-    return dups
 
 
 def _archive_summary(zips: dict, listing: dict, rows: list[dict]) -> dict | None:

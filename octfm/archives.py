@@ -134,3 +134,17 @@ def read_failure(exc: BaseException, uri: str = "") -> str | None:
     if where and isinstance(exc, RuntimeError) and "encrypted" in str(exc):
         return "unreadable: encrypted ZIP member (passwords are not supported)"
     return None
+
+
+def first_source_wins(members: list, holder: str, seen: dict[str, str]) -> tuple[list, list[tuple]]:
+    """The one rule for a path two sources hold: the first keeps it (plain files first, then
+    archives in sorted order). Returns this archive's members no earlier source holds, and the
+    rest as (member, who holds its path); `seen` (path -> holder) learns the kept ones."""
+    keep, dups = [], []
+    for m in members:
+        if m.relpath in seen:
+            dups.append((m, seen[m.relpath]))
+        else:
+            seen[m.relpath] = holder
+            keep.append(m)
+    return keep, dups

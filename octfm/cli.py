@@ -1,13 +1,16 @@
 """Exit codes and the common wrapper every stage entry runs under.
 
-Contract (DESIGN.md): 0 finished (failed rows allowed), 3 with STRICT when rows failed,
+Contract (docs/architecture.md, "Exit codes"): 0 finished (failed rows allowed), 3 with STRICT when rows failed,
 2 usage or config error, 1 anything else.
 """
 from __future__ import annotations
 
+import math
 import sys
 import traceback
 from typing import Callable, Sequence
+
+from octfm.errors import DataError, SetupError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -28,7 +31,7 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     """Run a stage entry and turn its outcome into the documented exit status."""
     try:
         code = main(argv)
-    except UsageError as exc:
+    except (UsageError, DataError, SetupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
     except JobAborted as exc:
@@ -74,3 +77,19 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def fmt_ci(ci) -> str:
+    """`[lo, hi]` of a 95% interval to 3 decimals; empty when there is none."""
+    if not ci or ci[0] is None:
+        return ""
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def fmt_number(v, ci=None, spec: str = ".3f") -> str:
+    """A score for summaries and reports: `n/a` when missing or not finite, else `v` in `spec`,
+    followed by its interval when one is given (`0.512 [0.401, 0.630]`)."""
+    if v is None or not math.isfinite(float(v)):
+        return "n/a"
+    interval = fmt_ci(ci)
+    return format(v, spec) + (f" {interval}" if interval else "")

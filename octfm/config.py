@@ -6,6 +6,8 @@ Why: a typo such as `optim.lrr` must stop the run with the key named, not be ign
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from pathlib import Path
@@ -170,3 +172,10 @@ def load(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -
         data = merge(data, parse_overrides(overrides))
         where = f"{where} + ARGS"
     return from_dict(cls, data, where=where)
+
+
+def content_key(blob: Any, length: int = 20) -> str:
+    """The one content key: sha256 of the blob's canonical JSON (sorted keys) cut to `length` hex
+    digits. Cache keys, feature keys, probe settings keys and row fingerprints all use it, so two
+    equal blobs always share a key."""
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:length]

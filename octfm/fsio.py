@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import posixpath
+import shutil
 import tempfile
 import threading
 import uuid
@@ -144,6 +145,21 @@ def _with_deadline(fn, timeout: float, what: str):
     return out["value"]
 
 
+def list_tree(root: str) -> dict[str, dict]:
+    """relpath (with /) -> the store's info (size, version fields) for every file under `root`,
+    from one recursive listing; {} when `root` is absent. The one tree listing of the stages."""
+    fs, base = filesystem(root)
+    if not fs.isdir(base):
+        return {}
+    base_norm = base.rstrip("/") + "/"
+    out = {}
+    for path, info in fs.find(base, detail=True).items():
+        if info.get("type") != "directory":
+            rel = path[len(base_norm):] if path.startswith(base_norm) else os.path.relpath(path, base)
+            out[rel.replace(os.sep, "/")] = info
+    return out
+
+
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     return fs.exists(path)
@@ -201,17 +217,25 @@ def atomic_writer(uri: str):
         raise
 
 
-def remove_stale_temps(root: str, recursive: bool = False) -> int:
-    """Delete the temp files of atomic writes a crash interrupted (`.<name>.tmp-...`) under a
-    local folder; object stores keep none (an unfinished upload is never visible)."""
+def remove_stale_temps(root: str, recursive: bool = False, tag: str | None = None) -> int:
+    """Delete what atomic writes a crash interrupted under a local folder: temp files and temp
+    folders (`.<name>.tmp-...`, see temp_name). With `tag`, only that writer's (one cache
+    shard's), so writers running beside it keep theirs; finished .zarr volumes are not walked
+    into. Object stores keep none (an unfinished upload is never visible)."""
     if is_remote(root) or not os.path.isdir(root):
         return 0
+    marker = f".tmp-{tag}-" if tag else ".tmp-"
     n = 0
-    for dirpath, _, files in os.walk(root) if recursive else [(root, None, os.listdir(root))]:
-        for name in files:
-            if name.startswith(".") and ".tmp-" in name and os.path.isfile(os.path.join(dirpath, name)):
-                os.unlink(os.path.join(dirpath, name))
+    for dirpath, dirnames, files in os.walk(root):
+        for name in [*files, *dirnames]:
+            if name.startswith(".") and marker in name:
+                path = os.path.join(dirpath, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
                 n += 1
+        dirnames[:] = [d for d in dirnames if marker not in d and not d.endswith(".zarr")] if recursive else []
     return n
 
 

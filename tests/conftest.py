@@ -190,14 +190,16 @@ def upload_tree(endpoint: str, bucket: str, root) -> int:
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount)."""
+    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount). Run as root
+    (as CI does), a mount that fails is a failure, not a skip: the full-disk tests would never run."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small_disk"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        pytest.fail(f"running as root but cannot mount a tmpfs at {mnt}: {r.stderr.strip()} "
+                    "(the full-disk tests need it; give the container CAP_SYS_ADMIN)")
     try:
         yield mnt
     finally:
@@ -280,7 +282,18 @@ def tiny_run(tiny_cache, tmp_path_factory) -> Path:
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     run = root / "runs" / "tiny"
-    r = run_cli("train.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
+    r = run_cli("evals.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
                 "heads=[linear]", "cross_device=false")
     assert r.returncode == 0, r.stderr[-2000:]
     return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skipped test with its reason, so a run says loudly what it did not test."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.write_sep("=", f"{len(skipped)} skipped test(s), not run")
+    for rep in skipped:
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        terminalreporter.write_line(f"SKIPPED {rep.nodeid}: {reason.removeprefix('Skipped: ')}")

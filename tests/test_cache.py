@@ -156,7 +156,8 @@ def test_shards_write_parts_that_read_back_as_one_table(synth_tree, tmp_path):
     assert df.relpath.is_unique and len(df) == len(pd.read_parquet(cache / "sources.parquet"))
     assert str(schema.read_table(str(parts[0])).schema.field("error").type) == "string"
     one = tmp_path / "one"
-    run_cli("cache.build", "--source", str(synth_tree), "--cache", str(one), "--no-progress", *SMALL)
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(one), "--no-progress", *SMALL)
+    assert r.returncode == 0, r.stderr
     single = pd.read_parquet(one / "manifest.parquet")
     assert sorted(single.relpath) == sorted(df.relpath)
     assert (single.sort_values("relpath").status.values == df.sort_values("relpath").status.values).all()

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 
 from conftest import run_cli, tiny_train_args
+from evals import leaderboard
+from evals.probe import ProbeConfig
 from octfm import config
-from train import leaderboard
 from train.metrics import read_metrics
-from train.probe import ProbeConfig
 
 # a small head grid, few epochs and a small bootstrap keep each checkpoint's probe near a second
 FAST = ["heads=[linear,attentive]", "lrs=[0.001]", "weight_decays=[0.0,0.1]", "epochs=8", "bootstrap=50"]
@@ -42,7 +42,7 @@ def stored_mtimes(run) -> dict:
 
 def test_every_checkpoint_is_probed_once_and_tabled(run_a, signal_cache):
     run = run_a / "runs" / "a"
-    r = run_cli("train.leaderboard", "--run", str(run), "--config", "configs/probe.yaml", "--no-progress", *FAST)
+    r = run_cli("evals.leaderboard", "--run", str(run), "--config", "configs/probe.yaml", "--no-progress", *FAST)
     assert r.returncode == 0, r.stderr
     assert "probed 2 checkpoint(s) (a@2, a@4)" in r.stdout and "best a study_group: step" in r.stdout
 
@@ -142,7 +142,8 @@ def test_the_choice_follows_val_never_test(run_a, tmp_path):
 
 
 def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_path, capsys):
-    from train import checkpoint, probe
+    from evals import probe
+    from train import checkpoint
 
     run = tmp_path / "a"
     shutil.copytree(run_a / "runs" / "a", run)

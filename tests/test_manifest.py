@@ -5,7 +5,7 @@ from ingest import synth
 from manifests import build, splits
 from manifests.aireadi import STUDY_GROUPS
 from octfm import fsio
-from octfm.cli import UsageError
+from octfm.errors import DataError
 
 
 def make_tree(tmp_path, **kw):
@@ -66,7 +66,7 @@ def test_missing_column_names_file_and_column(tmp_path):
     p = root / "participants.tsv"
     df = pd.read_csv(p, sep="\t", dtype=str)
     df.drop(columns=["study_group"]).to_csv(p, sep="\t", index=False)
-    with pytest.raises(UsageError, match=r"participants.tsv: missing column\(s\) study_group"):
+    with pytest.raises(DataError, match=r"participants.tsv: missing column\(s\) study_group"):
         build.build_sources(str(root))
 
 
@@ -119,6 +119,25 @@ def test_duplicate_participants_identical_kept_once_conflicting_refused(tmp_path
     changed = df.iloc[[1]].copy()
     changed["study_group"] = "insulin_dependent" if df.study_group[1] != "insulin_dependent" else "healthy"
     pd.concat([df, changed]).to_csv(p, sep="\t", index=False)
-    with pytest.raises(UsageError, match=rf"participants.tsv: participant_id listed more than once with different "
+    with pytest.raises(DataError, match=rf"participants.tsv: participant_id listed more than once with different "
                                          rf"values: {df.participant_id[1]}"):
         build.build_sources(str(root))
+
+
+def test_duplicate_uids_across_manifest_parts_fail_when_read_together(tmp_path, capsys):
+    """Two shards each hold one copy of an image (an unlisted file's header UID): each part alone
+    is clean, the manifest read whole keeps the first relpath and fails the other, naming the pair."""
+    from manifests import layout, schema
+    from octfm import fsio
+
+    rows = [{"relpath": "retinal_oct/a/1.dcm", "status": "ok", "sop_instance_uid": "1.2.3", "volume": "v/1"},
+            {"relpath": "retinal_oct/b/2.dcm", "status": "ok", "sop_instance_uid": "1.2.3", "volume": "v/2"},
+            {"relpath": "retinal_oct/c/3.dcm", "status": "ok", "sop_instance_uid": "4.5.6", "volume": "v/3"}]
+    for i, part in enumerate([[rows[0], rows[2]], [rows[1]]]):
+        fsio.write_parquet_atomic(schema.to_table(part, schema.CACHE_SCHEMA), layout.part_uri(str(tmp_path), (i, 2)))
+    (tmp_path / "manifest.parquet" / ".part-0000-of-0002.parquet.tmp-s0-dead").write_bytes(b"torn")  # skipped
+    got = {r["relpath"]: r for r in layout.read_manifest_table(str(tmp_path)).to_pylist()}
+    assert len(got) == 3 and got["retinal_oct/a/1.dcm"]["status"] == "ok" and got["retinal_oct/c/3.dcm"]["status"] == "ok"
+    assert got["retinal_oct/b/2.dcm"]["status"] == "failed" and got["retinal_oct/b/2.dcm"]["volume"] is None
+    assert got["retinal_oct/b/2.dcm"]["error"] == "duplicate SOP instance UID: 1.2.3 is also retinal_oct/a/1.dcm"
+    assert "retinal_oct/b/2.dcm repeats retinal_oct/a/1.dcm" in capsys.readouterr().err

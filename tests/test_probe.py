@@ -6,10 +6,10 @@ import pytest
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
 from conftest import run_cli, tiny_train_args
+from evals import probe
+from evals import probe_metrics as pm
 from octfm import config
 from octfm.cli import UsageError
-from train import probe
-from train import probe_metrics as pm
 
 
 def test_metrics_agree_with_scikit_learn():

@@ -41,12 +41,13 @@ def test_mirror_s3_to_gcs_then_cache_from_gs(synth_tree, s3_server, gcs_emulator
 
     local = tmp_path / "local"
     r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(local), "--no-progress", *SMALL)
+    assert r.returncode == 0, r.stdout + r.stderr
     ref = pd.read_parquet(local / "manifest.parquet")
     for vol in ref.volume.dropna():
         np.testing.assert_array_equal(store.read_volume(cache, vol), store.read_volume(str(local), vol))
 
     r = run_cli("cache.build", "--source", "gs://mirror-bucket/dataset", "--cache", cache, "--no-progress", *SMALL)
-    assert re.search(rf"\b{(df.status == 'ok').sum()} reused", r.stdout), r.stdout
+    assert r.returncode == 0 and re.search(rf"\b{(df.status == 'ok').sum()} reused", r.stdout), r.stdout
 
     staged = tmp_path / "staged"
     r = run_cli("cache.stage", "--cache", cache, "--local", str(staged), "--no-progress")

@@ -71,7 +71,7 @@ def data_uri_pngs(html: str) -> list[Image.Image]:
 
 def test_report_renders_in_chromium_and_every_image_loads(qc_cache, tiny_run, tmp_path):
     out = tmp_path / "report.html"
-    r = run_cli("octfm.report", "--cache", str(qc_cache), "--run", str(tiny_run), "--out", str(out), "--no-progress")
+    r = run_cli("report", "--cache", str(qc_cache), "--run", str(tiny_run), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]
     unreadable = int(re.search(r"(\d+) sources unreadable", summary).group(1))
@@ -108,11 +108,11 @@ def test_image_check_detects_broken_images(tmp_path):
 
 
 def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_usage_error(qc_cache, tmp_path):
-    r = run_cli("octfm.report", "--cache", str(qc_cache), "--no-progress", "--per-group", "1")
+    r = run_cli("report", "--cache", str(qc_cache), "--no-progress", "--per-group", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     html = (qc_cache / "report.html").read_text()
     assert "Run:" not in html and len(data_uri_pngs(html)) == 2
-    r = run_cli("octfm.report", "--cache", str(tmp_path / "nowhere"), "--no-progress")
+    r = run_cli("report", "--cache", str(tmp_path / "nowhere"), "--no-progress")
     assert r.returncode == 2 and str(tmp_path / "nowhere") in r.stderr
 
 

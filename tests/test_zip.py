@@ -238,7 +238,7 @@ print(json.dumps({"before_mb": before, "peak_mb": status_mb("VmHWM"), "bytes": n
 @pytest.mark.parametrize("where", ["local", "gs"])
 def test_reading_one_member_of_a_large_archive_keeps_memory_bounded(where, tmp_path, request):
     """A 160 MB archive of stored members: listing it and reading one 5 MB member raises
-    the peak RSS by a few MB (gs://: plus gcsfs's 5 MB read-ahead block); reading the whole
+    the peak RSS by about 5 MB (gs://: about 16 MB with gcsfs's read-ahead and HTTP buffers); reading the whole
     archive (the control) by at least its size."""
     archive = tmp_path / "big.zip"
     rng = np.random.default_rng(0)
@@ -261,7 +261,9 @@ def test_reading_one_member_of_a_large_archive_keeps_memory_bounded(where, tmp_p
     member_growth = peaks["member"]["peak_mb"] - peaks["member"]["before_mb"]
     whole_growth = peaks["whole"]["peak_mb"] - peaks["whole"]["before_mb"]
     assert peaks["member"]["bytes"] == 5 << 20
-    assert member_growth < 30, peaks  # the member (5 MB) and buffers, not the archive
+    # README's numbers (docs/measurements.md): about 5 MB locally (the member; measured 4.9),
+    # about 16 MB on gs:// (plus gcsfs's read-ahead block and HTTP buffers; measured 15.6)
+    assert member_growth < (20 if where == "gs" else 7), peaks
     assert whole_growth > 0.9 * size_mb, peaks  # the measurement does see a whole-archive read
     if where == "gs":
         gcs_bucket("mem-bucket").rm("mem-bucket/big.zip")  # the emulator keeps objects in memory

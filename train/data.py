@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from cache import store
-from manifests import schema
-from octfm.cli import UsageError
+from manifests import layout
+from octfm.errors import DataError
 from train import masks as M
 from train.config import DataConfig, MaskConfig
 
@@ -30,11 +30,11 @@ def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
 
 def select_rows(cache: str, splits, devices) -> list[dict]:
     """Manifest rows usable for training: status ok, in the splits and devices asked for."""
-    uri = cache.rstrip("/") + "/manifest.parquet"
     try:
-        table = schema.read_table(uri, schema.CACHE_SCHEMA)
+        table = layout.read_manifest_table(cache)
     except FileNotFoundError:
-        raise UsageError(f"data.cache: no manifest at {uri} (run `make cache` / `make stage` first)") from None
+        raise DataError(f"data.cache: no manifest at {layout.manifest_uri(cache)} "
+                         "(run `make cache` / `make stage` first)") from None
     rows = [r for r in table.to_pylist() if r["status"] == "ok" and r["split"] in splits
             and (devices is None or r["device"] in devices)]
     return sorted(rows, key=lambda r: r["relpath"])
@@ -55,7 +55,7 @@ class CacheDataset(Dataset):
         for r in rows[:1]:
             strided = [-(-int(n) // int(s)) for n, s in zip(r["shape"], cfg.stride)]
             if any(s < i for s, i in zip(strided, cfg.input_shape)):
-                raise UsageError(f"data.input_shape {list(cfg.input_shape)} is larger than the cached volumes "
+                raise DataError(f"data.input_shape {list(cfg.input_shape)} is larger than the cached volumes "
                                  f"{r['shape']} after data.stride {list(cfg.stride)}")
 
     def __len__(self) -> int:
@@ -112,7 +112,7 @@ class EpochSampler(Sampler):
         self.shuffle, self.start_batch, self.stop_batch = shuffle, start_batch, stop_batch
         self.batches_per_epoch = n // (batch * world)
         if self.batches_per_epoch == 0:
-            raise UsageError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
+            raise DataError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
 
     def epoch_indices(self, epoch: int) -> list[int]:
         if self.shuffle:

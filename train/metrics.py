@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from train.run_folder import RunFolder
+
 
 @torch.no_grad()
 def rankme(features: torch.Tensor, max_tokens: int = 2048, eps: float = 1e-7) -> float:
@@ -38,7 +40,7 @@ def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]
     """metrics.jsonl as ({step: train record}, {step: val record}); a resumed run rewrites
     steps, so the last record of a step wins. Empty when the file is missing; a line cut
     short by a kill or a full disk is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics
     train, val = {}, {}
     if path.exists():
         for line in path.read_text(errors="replace").splitlines():
@@ -58,7 +60,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, enabled: bool, wandb_cfg=None, config: dict | None = None):
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunFolder(run_dir).metrics
         self.wandb = None
         self.log_checkpoints = wandb_cfg is not None and wandb_cfg.log_checkpoints
         if enabled and wandb_cfg is not None and wandb_cfg.enabled:

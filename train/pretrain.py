@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from octfm import cli, config, fsio
-from train import checkpoint, data, masks, metrics, runtime, schedule
+from train import checkpoint, data, masks, metrics, run_folder, runtime, schedule
+from train.run_folder import RunFolder
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, target_features
 
@@ -80,7 +81,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rt: runtime.Runtime, ckpt: str | None = None):
         self.cfg, self.rt = cfg, rt
         self.run_dir = Path(cfg.runs_dir) / cfg.name
-        self.ckpt_dir = cfg.ckpt_dir or str(self.run_dir / "checkpoints")
+        self.ckpt_dir = cfg.ckpt_dir or run_folder.default_checkpoints(self.run_dir)
         torch.manual_seed(cfg.seed)
         self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
         if not self.rows:
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer(cfg, rt, a.ckpt)
     if rt.is_master:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        fsio.atomic_write_bytes(str(trainer.run_dir / "config.yaml"),
+        fsio.atomic_write_bytes(str(RunFolder(trainer.run_dir).config),
                                 yaml.safe_dump(config.to_dict(cfg), sort_keys=False).encode())
         where = f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from scratch"
         print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
@@ -296,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
-        from train.plots import plot_metrics
+        from train.curves import plot_metrics
 
         png = plot_metrics(trainer.run_dir)
         print(f"pretrain: curves in {png}")

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from octfm.cli import UsageError
+from octfm.config import ConfigError
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError("device: cuda was asked for but no CUDA device is visible")
+            raise ConfigError("device: cuda was asked for but no CUDA device is visible")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         bf16 = precision == "bf16" and torch.cuda.is_bf16_supported()
@@ -127,7 +127,7 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
         return Runtime("cuda", device, rank, world, local_rank, bf16)
     if kind == "xla":
         if not _xla_available():
-            raise UsageError("device: xla was asked for but torch_xla is not installed (see `make test-xla`)")
+            raise ConfigError("device: xla was asked for but torch_xla is not installed (see `make test-xla`)")
         import numpy as np
         import torch_xla
         import torch_xla.distributed.spmd as xs
@@ -141,7 +141,7 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
         return Runtime("xla", torch_xla.device(), xr.process_index(), xr.process_count(), 0,
                        precision == "bf16", mesh)
     if kind != "cpu":
-        raise UsageError(f"device: {kind!r} is not one of auto, cpu, cuda, xla")
+        raise ConfigError(f"device: {kind!r} is not one of auto, cpu, cuda, xla")
     if world > 1:
         dist.init_process_group("gloo")
     return Runtime("cpu", torch.device("cpu"), rank, world, local_rank, precision == "bf16")

@@ -2,9 +2,7 @@
 kept on disk, so probes train from them in seconds and re-runs reuse them."""
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +68,7 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
 def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool) -> str:
     blob = {"encoder": ident, "rows": [(r["relpath"], r["cache_key"]) for r in rows], "stride": list(cfg.data.stride),
             "input": list(cfg.data.input_shape), "pool": list(token_pool), "version": FEATURE_VERSION}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+    return config.content_key(blob, 20)
 
 
 def cached(out_dir: Path, key: str, compute) -> tuple[dict, bool]:

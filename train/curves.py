@@ -2,34 +2,16 @@
 monitors, throughput and data wait (the same figure in curves.png and in `make report`)."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
+from octfm.plots import pyplot, to_png
 from train.metrics import read_metrics
+from train.run_folder import RunFolder
 
 # (metrics.jsonl key, panel title): the names W&B shows under train/ too
 PANELS = [("loss", "L1 loss"), ("lr", "learning rate"), ("grad_norm", "grad norm (pre-clip)"),
           ("ema_momentum", "EMA momentum"), ("rankme", "RankMe of targets"), ("target_std", "target feature std"),
           ("samples_per_s", "throughput (samples/s)"), ("data_wait_frac", "data wait fraction")]
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display on servers), imported late:
-    commands that draw nothing do not pay for it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def to_png(fig, dpi: int = 72) -> bytes:
-    """A figure as PNG bytes; the figure is closed."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    pyplot().close(fig)
-    return buf.getvalue()
 
 
 def curves_png(records: tuple[dict[int, dict], dict[int, dict]], title: str, dpi: int = 80) -> bytes | None:
@@ -62,6 +44,6 @@ def plot_metrics(run_dir: str | Path) -> Path | None:
     png = curves_png(read_metrics(run_dir), Path(run_dir).name)
     if png is None:
         return None
-    out = Path(run_dir) / "curves.png"
+    out = RunFolder(run_dir).curves
     out.write_bytes(png)
     return out

@@ -8,8 +8,6 @@ cross-device transfer, and the same probes on a random encoder plus a majority p
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -17,50 +15,19 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-import yaml
 
-from manifests.aireadi import STUDY_GROUPS
+from evals import features
+from evals.config import ProbeConfig
+from evals import probe_metrics as pm
+from evals.probe_heads import train_heads
+from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
-from octfm import cli, config, fsio
-from train import checkpoint, data, features, plots
-from train import probe_metrics as pm
-from train.probe_heads import train_heads
-
-TASKS = {
-    "study_group": {"classes": 4, "names": list(STUDY_GROUPS), "map": lambda label: label},
-    # diabetic: oral medication / non-insulin injectable (2) or insulin dependent (3) vs not
-    "diabetic": {"classes": 2, "names": ["not_diabetic", "diabetic"], "map": lambda label: int(label >= 2)},
-}
-
-
-@dataclasses.dataclass
-class ProbeConfig:
-    run: str | None = None             # pretraining run folder (runs/<name>): its newest checkpoint
-    ckpt: str | None = None            # or an explicit checkpoint (local or gs://); wins over run
-    cache: str | None = None           # None: the cache the checkpoint was trained on
-    tasks: list[str] = dataclasses.field(default_factory=lambda: ["study_group", "diabetic"])
-    heads: list[str] = dataclasses.field(default_factory=lambda: ["linear", "attentive"])
-    lrs: list[float] = dataclasses.field(default_factory=lambda: [3e-4, 1e-3, 3e-3])
-    weight_decays: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.01, 0.1])
-    epochs: int = 60
-    batch_size: int = 32
-    class_weight: bool = True
-    token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
-    extract_batch: int = 4
-    device: str = "cpu"
-    bootstrap: int = 1000
-    per_device: bool = True
-    cross_device: bool = True
-    baselines: bool = True
-    shuffle_labels: bool = False       # a control: labels permuted across participants
-    seed: int = 0
-
+from octfm import cli, config, plots
+from train import checkpoint, data
+from train.run_folder import RunFolder
 
 def run_checkpoint_dir(run: str) -> str:
-    """Where a run keeps its checkpoints: its config's `ckpt_dir` (e.g. gs://), else <run>/checkpoints."""
-    cfg_path = Path(run) / "config.yaml"
-    ckpt_dir = yaml.safe_load(cfg_path.read_text()).get("ckpt_dir") if cfg_path.exists() else None
-    return ckpt_dir or fsio.join(run, "checkpoints")
+    return RunFolder(run).checkpoints()
 
 
 def resolve_checkpoint(cfg: ProbeConfig) -> str:
@@ -93,7 +60,7 @@ def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
 def rows_fingerprint(rows: list[dict]) -> str:
     """What the probe results depend on in the cache: volumes, labels, splits, participants, devices."""
     blob = [(r["relpath"], r["cache_key"], r["label"], r["split"], r["participant_id"], r["device"]) for r in rows]
-    return hashlib.sha256(json.dumps(blob, default=str).encode()).hexdigest()[:20]
+    return config.content_key(blob, 20)  # a list of tuples: sorting keys leaves its bytes as before
 
 
 def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
@@ -173,15 +140,6 @@ def cross_device(cfg, feats, y, split, devices, k) -> dict:
     return out
 
 
-def _fmt(v, ci=None) -> str:
-    if v is None or (isinstance(v, float) and not np.isfinite(v)):
-        return "n/a"
-    s = f"{v:.3f}"
-    if ci and ci[0] is not None:
-        s += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
-    return s
-
-
 def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=float))
@@ -193,18 +151,18 @@ def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
     for p in result["probes"]:
         t = p["test"]
         lines.append(f"| {p['encoder']} | {p['head']} | {p.get('lr', '')} | {p.get('weight_decay', '')} | "
-                     f"{_fmt(p.get('val_balanced_accuracy'))} | {_fmt(t['balanced_accuracy'], t['balanced_accuracy_ci95'])} | "
-                     f"{_fmt(t['auroc_macro_ovr'], t['auroc_macro_ovr_ci95'])} | {t['prediction_entropy']:.3f} | "
+                     f"{cli.fmt_number(p.get('val_balanced_accuracy'))} | {cli.fmt_number(t['balanced_accuracy'], t['balanced_accuracy_ci95'])} | "
+                     f"{cli.fmt_number(t['auroc_macro_ovr'], t['auroc_macro_ovr_ci95'])} | {t['prediction_entropy']:.3f} | "
                      f"{'YES' if t['collapsed'] else 'no'} |")
     for kind, per in result["per_device"].items():
         lines += ["", f"Per device (pretrained, {kind}, test):", "", "| device | n | bal. acc | AUROC |", "|---|---|---|---|"]
-        lines += [f"| {d} | {m['n']} | {_fmt(m['balanced_accuracy'], m.get('balanced_accuracy_ci95'))} | "
-                  f"{_fmt(m['auroc_macro_ovr'], m.get('auroc_macro_ovr_ci95'))} |" for d, m in per.items()]
+        lines += [f"| {d} | {m['n']} | {cli.fmt_number(m['balanced_accuracy'], m.get('balanced_accuracy_ci95'))} | "
+                  f"{cli.fmt_number(m['auroc_macro_ovr'], m.get('auroc_macro_ovr_ci95'))} |" for d, m in per.items()]
     if result["cross_device"]:
         dsts = sorted({d for row in result["cross_device"].values() for d in row})
         lines += ["", "Cross-device transfer (linear, balanced accuracy; rows: trained on, columns: tested on):", "",
                   "| train \\ test | " + " | ".join(dsts) + " |", "|---" * (len(dsts) + 1) + "|"]
-        lines += [f"| {s} | " + " | ".join(_fmt(row.get(d)) for d in dsts) + " |" for s, row in result["cross_device"].items()]
+        lines += [f"| {s} | " + " | ".join(cli.fmt_number(row.get(d)) for d in dsts) + " |" for s, row in result["cross_device"].items()]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     if prob_test is not None and len(y_test):
         plot(out_dir, result, y_test, prob_test)
@@ -227,8 +185,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.set_ylabel("true")
     ax.set_title(f"{result['task']}: pretrained encoder, test")
     fig.tight_layout()
-    fig.savefig(out_dir / "confusion.png", dpi=90)
-    plt.close(fig)
+    plots.save_png(fig, out_dir / "confusion.png", dpi=90)
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for c in (range(k) if k > 2 else [1]):
         yc = (y == c).astype(int)
@@ -243,8 +200,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"{result['task']}: ROC (one vs rest), test")
     fig.tight_layout()
-    fig.savefig(out_dir / "roc.png", dpi=90)
-    plt.close(fig)
+    plots.save_png(fig, out_dir / "roc.png", dpi=90)
 
 
 def check_tasks(cfg: ProbeConfig) -> None:
@@ -262,7 +218,7 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
-    probe_dir = Path(probe_dir) if probe_dir else Path(tcfg.runs_dir) / tcfg.name / "probe"
+    probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     encoders = {"pretrained": (enc, ident)}
     if cfg.baselines:
         r_enc, _, r_ident = features.load_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
@@ -284,7 +240,7 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
 
 def run(cfg: ProbeConfig) -> dict:
     ckpt = resolve_checkpoint(cfg)
-    return probe_checkpoint(cfg, ckpt, Path(cfg.run) / "probe" if cfg.run else None)
+    return probe_checkpoint(cfg, ckpt, RunFolder(cfg.run).probe if cfg.run else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -301,8 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"probe: {out['ckpt']} on {out['cache']} ({out['rows']} labelled volumes); features reused: "
           f"{out['features_reused']}")
     for task, res in out["results"].items():
-        rows = [(p["encoder"], p["head"], _fmt(p["test"]["balanced_accuracy"], p["test"]["balanced_accuracy_ci95"]),
-                 _fmt(p["test"]["auroc_macro_ovr"]), "YES" if p["test"]["collapsed"] else "no") for p in res["probes"]]
+        rows = [(p["encoder"], p["head"], cli.fmt_number(p["test"]["balanced_accuracy"], p["test"]["balanced_accuracy_ci95"]),
+                 cli.fmt_number(p["test"]["auroc_macro_ovr"]), "YES" if p["test"]["collapsed"] else "no") for p in res["probes"]]
         print(f"\n{task} (test):")
         print(cli.format_table(["encoder", "head", "balanced acc [95% CI]", "AUROC", "collapsed"], rows))
     print(f"\nprobe: reports in {out['probe_dir']}/<task>/ (metrics.json, report.md, confusion.png, roc.png); "

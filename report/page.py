@@ -9,8 +9,8 @@ training curves from metrics.jsonl and the probe results.
 One file: every PNG is embedded as a base64 data URI, so the page can be mailed, attached
 to an issue or copied off a TPU VM on its own. Every string read from a manifest or a run
 (paths, error messages, probe reports) is HTML-escaped: they come from untrusted files.
-It lives in octfm/ rather than cache/ or train/ because it reads the outputs of every
-stage; no stage imports it.
+It is its own top-level package because it reads the outputs of every stage; no stage
+imports it.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ from tqdm import tqdm
 from cache import store
 from ingest import dicom
 from ingest.preprocess import subsample
-from manifests import schema
-from octfm import cli, fsio
-from train import plots
+from manifests import layout, schema
+from octfm import cli, fsio, plots
+from train import curves, run_folder
+from train.run_folder import RunFolder
 from train.metrics import read_metrics
 
 HIST_VOXELS = 200_000  # subsampled source voxels per histogram (strided, like the cache's window)
@@ -75,18 +76,17 @@ def note(text: str) -> str:
 
 
 def _fmt(v) -> str:
+    """A table cell: floats to 4 significant digits (`n/a` when not finite), None empty."""
     if isinstance(v, (float, np.floating)):
-        if not math.isfinite(v):
-            return "n/a"
-        return f"{v:.4g}"
+        return cli.fmt_number(v, spec=".4g")
     return "" if v is None else str(v)
 
 
 def load_manifest(cache: str) -> pd.DataFrame:
-    uri = fsio.join(cache, "manifest.parquet")
-    if not fsio.exists(uri):
-        raise cli.UsageError(f"--cache: no cache manifest at {uri} (run make cache first)")
-    df = schema.read_manifest(uri)
+    try:
+        df = layout.read_manifest_table(cache).to_pandas()
+    except FileNotFoundError as exc:
+        raise cli.UsageError(f"--cache: no cache manifest at {exc} (run make cache first)") from None
     df["device"] = df["device"].fillna("unknown")
     df["imaging"] = df["imaging"].fillna("")
     return df
@@ -261,7 +261,7 @@ def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -
 def run_summary_rows(train: dict, val: dict) -> list[list]:
     steps = sorted(train)
     rows = []
-    for key, title in plots.PANELS + [("skipped_updates", "skipped updates")]:
+    for key, title in curves.PANELS + [("skipped_updates", "skipped updates")]:
         vals = [train[s].get(key) for s in steps]
         finite = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
         if not finite:
@@ -279,7 +279,7 @@ def run_summary_rows(train: dict, val: dict) -> list[list]:
 
 def probe_section(run_dir: Path) -> list[str]:
     parts = []
-    for mpath in sorted((run_dir / "probe").glob("*/metrics.json")):
+    for mpath in sorted(RunFolder(run_dir).probe.glob("*/metrics.json")):
         task_dir = mpath.parent
         parts.append(f"<h3>Probe: {esc(task_dir.name)}</h3>")
         try:
@@ -289,8 +289,8 @@ def probe_section(run_dir: Path) -> list[str]:
                 t = p["test"]
                 rows.append([p["encoder"], p["head"], p.get("lr"), p.get("weight_decay"),
                              p.get("val_balanced_accuracy"), t.get("balanced_accuracy"),
-                             _ci(t.get("balanced_accuracy_ci95")), t.get("auroc_macro_ovr"),
-                             _ci(t.get("auroc_macro_ovr_ci95")), "YES" if t.get("collapsed") else "no"])
+                             cli.fmt_ci(t.get("balanced_accuracy_ci95")), t.get("auroc_macro_ovr"),
+                             cli.fmt_ci(t.get("auroc_macro_ovr_ci95")), "YES" if t.get("collapsed") else "no"])
             counts = ", ".join(f"{split} {n}" for split, n in (res.get("counts") or {}).items())
             parts.append(f"<p>classes: {esc(', '.join(map(str, res.get('classes', []))))}; rows per class: "
                          f"{esc(counts)}</p>")
@@ -307,19 +307,13 @@ def probe_section(run_dir: Path) -> list[str]:
     return parts
 
 
-def _ci(ci) -> str:
-    if not ci or ci[0] is None:
-        return ""
-    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
-
-
 def run_section(run_dir: Path) -> tuple[list[str], int]:
     """HTML for a run, and how many training rows it logged."""
     parts = [f"<h2>Run: {esc(run_dir.name)}</h2>", f'<p class="muted">{esc(run_dir)}</p>']
     if not run_dir.is_dir():
         return parts + [note(f"{run_dir}: no such run folder")], 0
     train, val = read_metrics(run_dir)
-    png = plots.curves_png((train, val), run_dir.name)
+    png = curves.curves_png((train, val), run_dir.name)
     if png is None:
         parts.append(note(f"{run_dir}/metrics.jsonl: no training rows yet"))
     else:
@@ -330,8 +324,8 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
     if wandb_runs:
         parts.append(f"<p>W&amp;B runs (same names under train/ and val/; offline ones: "
                      f"<code>wandb sync &lt;dir&gt;</code>): {esc(', '.join(p.name for p in wandb_runs))}</p>")
-    if (run_dir / "config.yaml").exists():
-        parts.append(f"<details><summary>config.yaml</summary><pre>{esc((run_dir / 'config.yaml').read_text())}"
+    if RunFolder(run_dir).config.exists():
+        parts.append(f"<details><summary>config.yaml</summary><pre>{esc(RunFolder(run_dir).config.read_text())}"
                      "</pre></details>")
     probes = probe_section(run_dir)
     parts += probes or [note(f"no probe results under {run_dir}/probe/ (make probe)")]
@@ -394,7 +388,7 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
 
 
 def default_out(cache: str, run: str | None) -> str:
-    return str(Path(run) / "report.html") if run else fsio.join(cache, "report.html")
+    return str(RunFolder(run).report) if run else fsio.join(cache, run_folder.REPORT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,6 @@ and recorded in <run>/best_checkpoint.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -25,10 +24,12 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from octfm import cli, config, fsio
-from train import checkpoint, plots, probe
+from evals import probe
+from evals.config import ProbeConfig
+from octfm import cli, config, fsio, plots
+from train import checkpoint, run_folder
 from train.metrics import read_metrics
-from train.probe import ProbeConfig
+from train.run_folder import RunFolder
 
 LEADERBOARD_VERSION = "1"
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
@@ -47,11 +48,11 @@ def result_settings(cfg: ProbeConfig) -> dict:
 
 def settings_key(cfg: ProbeConfig) -> str:
     blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+    return config.content_key(blob, 16)
 
 
 def stored_path(run: str, step: int) -> Path:
-    return Path(run) / "probe" / "leaderboard" / f"step_{step:07d}.json"
+    return RunFolder(run).stored_result(step)
 
 
 def _load_json(path: Path) -> dict | None:
@@ -87,7 +88,7 @@ class Board:
         """(stored results that hold, by step; checkpoints to probe as (step, uri, identity))."""
         ckpt_dir = probe.run_checkpoint_dir(run)
         steps = checkpoint.list_steps(ckpt_dir)
-        stored = {rec.get("step"): rec for path in sorted((Path(run) / "probe" / "leaderboard").glob("step_*.json"))
+        stored = {rec.get("step"): rec for path in sorted(RunFolder(run).stored_results_dir.glob("step_*.json"))
                   if (rec := _load_json(path))}
         done, todo = {}, []
         for step in steps:
@@ -107,7 +108,7 @@ class Board:
         return done, todo
 
     def probe(self, run: str, step: int, uri: str, ident: dict) -> dict:
-        res = probe.probe_checkpoint(self.cfg, uri, Path(run) / "probe", reports=False)
+        res = probe.probe_checkpoint(self.cfg, uri, RunFolder(run).probe, reports=False)
         self._fingerprints.setdefault(res["cache"], res["rows_fingerprint"])
         rec = {"step": step, "ckpt": uri, "ckpt_identity": ident, "settings_key": self.key,
                "settings": result_settings(self.cfg), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": res}
@@ -177,7 +178,7 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
                             **{c: _num(r[c]) for c in r.index if c.startswith(("val_", "test_")) and "@" not in c
                                and c != "test_collapsed"},
                             "pretrain_loss": _num(r["pretrain_loss"]), "pretrain_rankme": _num(r["pretrain_rankme"])}
-    out = Path(run) / "best_checkpoint.json"
+    out = RunFolder(run).best_checkpoint
     doc = {"selected_on": "val", "rule": "highest val balanced accuracy of the head chosen on val; ties: val AUROC, "
            "then the earliest step; test scores are reported, never used", "settings_key": settings_key(cfg),
            "probe_settings": result_settings(cfg), "tasks": tasks}
@@ -188,7 +189,7 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
 def _fmt(row, split: str, metric: str, device: str = "") -> str:
     """`value [lo, hi]` from a table row (device: the per-device columns, `...@<device>`)."""
     at = f"@{device}" if device else ""
-    return probe._fmt(_num(row[f"{split}_{metric}{at}"]), [_num(row[f"{split}_{metric}_ci95_lo{at}"]),
+    return cli.fmt_number(_num(row[f"{split}_{metric}{at}"]), [_num(row[f"{split}_{metric}_ci95_lo{at}"]),
                                                            _num(row[f"{split}_{metric}_ci95_hi{at}"])])
 
 
@@ -208,8 +209,8 @@ def markdown(table: pd.DataFrame) -> str:
         for _, r in t.iterrows():
             lines.append(f"| {r['run_name']} | {r['step']} | {r['head']} | {_fmt(r, 'val', 'balanced_accuracy')} | "
                          f"{_fmt(r, 'val', 'auroc')} | {_fmt(r, 'test', 'balanced_accuracy')} | "
-                         f"{_fmt(r, 'test', 'auroc')} | {probe._fmt(_num(r['pretrain_loss']))} | "
-                         f"{probe._fmt(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
+                         f"{_fmt(r, 'test', 'auroc')} | {cli.fmt_number(_num(r['pretrain_loss']))} | "
+                         f"{cli.fmt_number(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
                          f"{'' if r['ckpt_exists'] else ' (pruned)'} |")
         if devices:
             lines += ["", f"Per test device ({task}): balanced accuracy / AUROC [95% CI]", "",
@@ -251,8 +252,7 @@ def plot(table: pd.DataFrame, out: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("checkpoint leaderboard (star: chosen on val)")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
+    plots.save_png(fig, out, dpi=80)
 
 
 def default_out(runs: list[str]) -> Path:
@@ -282,9 +282,9 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     best_files = [str(write_best(r, best, cfg)) for r in runs]
     out = Path(out) if out else default_out(runs)
     out.mkdir(parents=True, exist_ok=True)
-    fsio.write_parquet_atomic(pa.Table.from_pandas(table, preserve_index=False), str(out / "leaderboard.parquet"))
-    fsio.atomic_write_bytes(str(out / "leaderboard.md"), markdown(table).encode())
-    plot(table, out / "leaderboard.png")
+    fsio.write_parquet_atomic(pa.Table.from_pandas(table, preserve_index=False), str(run_folder.leaderboard_file(out, "parquet")))
+    fsio.atomic_write_bytes(str(run_folder.leaderboard_file(out, "md")), markdown(table).encode())
+    plot(table, run_folder.leaderboard_file(out, "png"))
     return {"table": table, "best": table[table["best"]], "probed": [(r, s) for r, s, _, _ in todo],
             "reused": sum(len(d) for d in done.values()) - len(todo), "out": str(out), "best_files": best_files}
 
@@ -309,8 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = res["table"]
     for task, t in table.groupby("task", sort=False):
         rows = [(r["run_name"], r["step"], r["head"], _fmt(r, "val", "balanced_accuracy"),
-                 _fmt(r, "test", "balanced_accuracy"), probe._fmt(_num(r["test_auroc"])),
-                 probe._fmt(_num(r["pretrain_loss"])), probe._fmt(_num(r["pretrain_rankme"])),
+                 _fmt(r, "test", "balanced_accuracy"), cli.fmt_number(_num(r["test_auroc"])),
+                 cli.fmt_number(_num(r["pretrain_loss"])), cli.fmt_number(_num(r["pretrain_rankme"])),
                  "<- best" if r["best"] else "") for _, r in t.iterrows()]
         print(f"\n{task}:")
         print(cli.format_table(["run", "step", "head", "val bal. acc [95% CI]", "test bal. acc [95% CI]",
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for _, r in res["best"].iterrows():
         print(f"best {r['run_name']} {r['task']}: step {r['step']} (val bal. acc "
-              f"{probe._fmt(_num(r['val_balanced_accuracy']))}, test {_fmt(r, 'test', 'balanced_accuracy')}) {r['ckpt']}")
+              f"{cli.fmt_number(_num(r['val_balanced_accuracy']))}, test {_fmt(r, 'test', 'balanced_accuracy')}) {r['ckpt']}")
     probed = ", ".join(f"{Path(r).name}@{s}" for r, s in res["probed"]) or "none"
     print(f"leaderboard: probed {len(res['probed'])} checkpoint(s) ({probed}), reused {res['reused']} stored; "
           f"table {res['out']}/leaderboard.parquet, .md, .png; choices {', '.join(res['best_files'])}; "

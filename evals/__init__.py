@@ -1,0 +1,1 @@
+"""Frozen-encoder evaluation: probes and the checkpoint leaderboard, on the octfm floor and the trainer's model."""

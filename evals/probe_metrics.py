@@ -1,0 +1,36 @@
+"""Probe summaries with participant-level bootstrap intervals, on the floor's scores (octfm/scores.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from octfm.scores import (COLLAPSE_FRACTION, balanced_accuracy, binary_auroc, collapsed, confusion,  # noqa: F401
+                          macro_auroc, per_class_accuracy, prediction_entropy)
+
+def summary(y, prob, k: int) -> dict:
+    pred = prob.argmax(1)
+    return {
+        "n": int(len(y)), "balanced_accuracy": balanced_accuracy(y, pred, k), "auroc_macro_ovr": macro_auroc(y, prob),
+        "per_class_accuracy": per_class_accuracy(y, pred, k), "confusion": confusion(y, pred, k).tolist(),
+        "prediction_entropy": prediction_entropy(prob), "collapsed": collapsed(pred, k),
+        "predicted_class_fraction": (np.bincount(pred, minlength=k) / max(1, len(pred))).tolist(),
+    }
+
+
+def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
+    """95% intervals of balanced accuracy and AUROC, resampling participants (clusters)."""
+    rng = np.random.default_rng(seed)
+    ids = np.unique(groups)
+    rows_of = {g: np.flatnonzero(groups == g) for g in ids}
+    ba, au = [], []
+    for _ in range(n_boot):
+        pick = rng.choice(ids, size=len(ids), replace=True)
+        idx = np.concatenate([rows_of[g] for g in pick])
+        ba.append(balanced_accuracy(y[idx], prob[idx].argmax(1), k))
+        au.append(macro_auroc(y[idx], prob[idx]))
+
+    def ci(v):
+        v = np.asarray(v, dtype=float)
+        v = v[np.isfinite(v)]
+        return [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else [None, None]
+
+    return {"balanced_accuracy_ci95": ci(ba), "auroc_macro_ovr_ci95": ci(au), "bootstrap_resamples": n_boot}
