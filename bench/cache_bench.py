@@ -437,7 +437,8 @@ def markdown(res: dict) -> list[str]:
         "",
         "### Verdicts",
         "",
-        f"- build cost per full-size Triton volume, one worker, uncompressed (decode + window + resample + write): "
+        f"- build cost per Triton volume {'x'.join(map(str, tri['native_shape']))}, one worker, uncompressed "
+        f"(decode + window + resample + write): "
         f"{target_parts(tri):.3f} s, target <= 0.5 s: {verdict(target_parts(tri) <= 0.5)} (with read and SHA-1: "
         f"{tri['steady_s']:.3f} s)",
         f"- worker peak memory: {peak_x} decoded volumes above the interpreter, target <= 2: {verdict(peak_x <= 2)}",
