@@ -48,6 +48,10 @@ class MaskConfig:
     sets: list[MaskSetConfig] = dataclasses.field(default_factory=lambda: [
         MaskSetConfig(blocks=8, scale=(0.15, 0.15)), MaskSetConfig(blocks=2, scale=(0.7, 0.7))])
     calibration_samples: int = 256   # masks drawn at start-up to fix the token counts
+    # trimmed: the context is a fixed subsample of the visible cells, sized by the 90th percentile
+    # of the masked area (the rest of the visible cells is dropped); padded: every visible cell
+    # is context, padded to the largest possible count and masked out of attention
+    context: Literal["trimmed", "padded"] = "trimmed"
 
 
 @dataclasses.dataclass
