@@ -31,7 +31,7 @@ from evals.config import ProbeConfig
 from ingest import synth
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
-from train import checkpoint, pretrain
+from train import checkpoint, metrics, pretrain
 from train.config import TrainConfig
 from train.run_folder import RunFolder
 
@@ -130,19 +130,15 @@ def compare(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, se
 
 
 def online_curve(run_dir: Path) -> list[dict]:
-    """The run's online-probe records (`probe/<task>/...` keys in metrics.jsonl), when it logged any."""
-    recs = _records(run_dir)
-    return [{"step": r["step"], **{k: v for k, v in r.items() if k.startswith("probe/")}}
-            for r in recs if any(k.startswith("probe/") for k in r)]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = RunFolder(run_dir).metrics
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The run's online-probe records (split `probe` in metrics.jsonl, keys `<task>/knn_bal_acc`
+    and `<task>/ridge_bal_acc`, named `probe/<task>/...` here as in W&B), when it logged any."""
+    probe = metrics.read_splits(run_dir).get("probe", {})
+    return [{"step": step, **{f"probe/{k}": v for k, v in r.items() if k.endswith("_bal_acc")}}
+            for step, r in sorted(probe.items())]
 
 
 def training_summary(run_dir: Path) -> dict:
-    train = [r for r in _records(run_dir) if "loss" in r and "rankme" in r]
+    train = [r for _, r in sorted(metrics.read_splits(run_dir).get("train", {}).items()) if "rankme" in r]
     if not train:
         return {}
     return {"steps": train[-1]["step"], "loss": [train[0]["loss"], train[-1]["loss"]],

@@ -13,6 +13,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
              if not a.startswith(("name=", "runs_dir=", "data.cache="))]
+    train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
     args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", *PROBE, *train]
     r = run_cli("evals.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -30,6 +31,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             assert lo <= hi and c["participants"] == t["test_participants"]
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "probe"}
     assert res["training"]["steps"] == 4
+    assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
+    assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
         assert (out / name).stat().st_size > 0
     assert "## diabetic" in (out / "result.md").read_text()
