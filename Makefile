@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -48,6 +48,7 @@ help:
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
+	@echo "make learning-check  [SOURCE=<labelled dataset root>] [ARGS='max_steps=3000']: pretrained vs random-init encoder"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -70,16 +71,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The demo cohort: the lesion generator with its per-eye confounders, plus an easy class cue (inner
+# nuclear layer thickness, --signal) so a 150-step run's probes are above chance; cached small.
+DEMO_COHORT := --participants 40 --lesions 1 --signal 2
+DEMO_SHAPE  := preprocess.target_shape=[32,128,128]
+
 demo: $(STAMP)
-	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(if $(zipped),--zipped)
+	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(DEMO_COHORT) $(if $(zipped),--zipped)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
 	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
-	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg)
-	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE)
+	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg) $(DEMO_SHAPE)
+	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE) data.stride=[1,1,1]
 	$(PY) -m evals.probe --config configs/probe.yaml run=runs/pretrain_smoke
 	$(PY) -m evals.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
 	$(PY) -m report --cache $(CACHE) --run runs/pretrain_smoke
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
+	@$(PY) -m evals.learning_check --line runs/pretrain_smoke
 
 test: $(STAMP) test-deps
 	$(PY) -m pytest -q --ignore=tests/xla
@@ -101,6 +108,10 @@ test-xla: xla-venv
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
+
+# SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
+learning-check: $(STAMP)
+	$(PY) -m evals.learning_check $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)

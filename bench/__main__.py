@@ -1,6 +1,8 @@
 """Run the benchmark suites and write runs/bench/bench.json and bench.md.
 
 Suites merge into the existing bench.json, so `--only cache` refreshes one section.
+`--readme` also replaces each measured suite's block in README.md (between
+`<!-- bench:<suite> -->` and `<!-- /bench:<suite> -->`), so the README's numbers come from a run.
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import platform
 import time
 from pathlib import Path
 
-from bench import cache_bench, train_bench, xla_bench
+from bench import cache_bench, learning_bench, train_bench, xla_bench
 from octfm import cli
 
-SUITES = {"cache": cache_bench.run, "train": train_bench.run, "xla": xla_bench.run}
+SUITES = {"cache": cache_bench.run, "train": train_bench.run, "xla": xla_bench.run, "learning": learning_bench.run}
 
 
 def main(argv=None) -> int:
@@ -23,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=sorted(SUITES), action="append")
     ap.add_argument("--quick", action="store_true", help="smaller inputs (a smoke run, not for the record)")
     ap.add_argument("--xla-python", default=None, help="python of the torch_xla venv (make xla-venv)")
+    ap.add_argument("--readme", action="store_true", help="write the measured suites into README.md's bench blocks")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,7 +45,24 @@ def main(argv=None) -> int:
     (out / "bench.md").write_text("\n".join(md))
     print("\n".join(md))
     print(f"bench: wrote {path} and {out / 'bench.md'}")
+    if a.readme:
+        done = [name for name in a.only or list(SUITES) if update_readme(Path("README.md"), name, results[name]["markdown"])]
+        print(f"bench: README.md blocks replaced: {', '.join(done) or 'none (no <!-- bench:<suite> --> markers)'}")
     return 0
+
+
+def update_readme(readme: Path, suite: str, lines: list[str]) -> bool:
+    """Replace the text between this suite's markers in README.md; False when it has none."""
+    text = readme.read_text()
+    begin, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
+    if begin not in text or end not in text:
+        return False
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    body = [ln.replace("## ", "#### ", 1) if ln.startswith("## ") else ln.replace("### ", "#### ", 1)
+            if ln.startswith("### ") else ln for ln in lines]
+    readme.write_text(head + begin + "\n" + "\n".join(body) + "\n" + end + tail)
+    return True
 
 
 if __name__ == "__main__":

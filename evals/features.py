@@ -9,9 +9,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cache import store
 from octfm import config, fsio
-from train import checkpoint, data
+from train import checkpoint, encode
 from train.config import TrainConfig
 from train.encoder import center_crop
 from train.model import Encoder
@@ -42,22 +41,15 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
     """Mean-pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16)."""
     enc = enc.to(device)
     pooled, tokens = [], []
-    s = cfg.data.stride
-    for i in range(0, len(rows), batch):
-        vols = []
-        for r in rows[i:i + batch]:
-            v = store.read_volume(cache, r["volume"])[::s[0], ::s[1], ::s[2]]
-            vols.append(torch.from_numpy(np.ascontiguousarray(center_crop(v, cfg.data.input_shape)))[None])
-        x = torch.stack(vols).to(device)
-        aug = torch.tensor([[1.0, 0.0]] * len(vols), device=device)
-        h = enc(data.normalize(x, aug)).float()                                      # [b, N, d]
-        pooled.append(h.mean(1).cpu())
+    for x, n in encode.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
+        h = encode.tokens(enc, x.to(device))                                         # [b, N, d]
+        pooled.append(encode.pool(h).cpu())
         g = enc.grid
         grid = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *g)
         grid = F.avg_pool3d(grid, kernel_size=tuple(token_pool), ceil_mode=True)
         tokens.append(grid.flatten(2).transpose(1, 2).half().cpu())
         if progress:
-            progress(len(vols))
+            progress(n)
     return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(tokens).numpy()}
 
 

@@ -28,7 +28,7 @@ from evals import probe
 from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
 from train import checkpoint, run_folder
-from train.metrics import read_metrics
+from train.metrics import read_splits
 from train.run_folder import RunFolder
 
 LEADERBOARD_VERSION = "1"
@@ -136,10 +136,12 @@ def _at_step(records: dict[int, dict], step: int, exact: bool = False) -> dict:
 def table_rows(run: str, records: list[dict]) -> list[dict]:
     """One row per checkpoint and task: the pretrained encoder's head chosen on val, its val
     and test scores with intervals, per test device, and the pretraining metrics at that step."""
-    train_m, val_m = read_metrics(run)
+    splits = read_splits(run)
+    train_m, val_m, probe_m = (splits.get(k, {}) for k in ("train", "val", "probe"))
     rows = []
     for rec in records:
         tr, va = _at_step(train_m, rec["step"]), _at_step(val_m, rec["step"], exact=True)
+        online = _at_step(probe_m, rec["step"])  # the last online probe at or before the checkpoint
         for task, res in rec["result"]["results"].items():
             heads = [p for p in res["probes"] if p["encoder"] == "pretrained"]
             p = max(heads, key=lambda h: probe.val_rank(h["val"]["balanced_accuracy"], h["val"]["auroc_macro_ovr"]))
@@ -149,7 +151,8 @@ def table_rows(run: str, records: list[dict]) -> list[dict]:
                    **_scores("val", p["val"]), **_scores("test", p["test"]), "test_collapsed": p["test"]["collapsed"],
                    "pretrain_logged_step": tr.get("step"), "pretrain_loss": tr.get("loss"),
                    "pretrain_rankme": tr.get("rankme"), "pretrain_target_std": tr.get("target_std"),
-                   "pretrain_val_loss": va.get("loss")}
+                   "pretrain_val_loss": va.get("loss"), "online_probe_step": online.get("step"),
+                   "online_knn_bal_acc": online.get(f"{task}/knn_bal_acc")}
             for device, m in res["per_device"].get(p["head"], {}).items():
                 row.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
             rows.append(row)
@@ -201,16 +204,18 @@ def markdown(table: pd.DataFrame) -> str:
     lines = ["# Checkpoint leaderboard", "",
              "One row per run, checkpoint and task: the pretrained encoder's head chosen on val (balanced accuracy, "
              "then AUROC). Intervals: 95% bootstrap over participants. `best`: per run and task, chosen on val only "
-             "and reported on test. Loss and RankMe: pretraining metrics logged at that step.", ""]
+             "and reported on test. Loss and RankMe: pretraining metrics logged at that step; online k-NN: the "
+             "online probe's val balanced accuracy at or before that step.", ""]
     devices = devices_of(table)
     for task, t in table.groupby("task", sort=False):
         lines += [f"## {task}", "", "| run | step | head | val bal. acc | val AUROC | test bal. acc | test AUROC | "
-                  "loss | RankMe | best |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "loss | RankMe | online k-NN | best |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in t.iterrows():
             lines.append(f"| {r['run_name']} | {r['step']} | {r['head']} | {_fmt(r, 'val', 'balanced_accuracy')} | "
                          f"{_fmt(r, 'val', 'auroc')} | {_fmt(r, 'test', 'balanced_accuracy')} | "
                          f"{_fmt(r, 'test', 'auroc')} | {cli.fmt_number(_num(r['pretrain_loss']))} | "
-                         f"{cli.fmt_number(_num(r['pretrain_rankme']))} | {'**best**' if r['best'] else ''}"
+                         f"{cli.fmt_number(_num(r['pretrain_rankme']))} | "
+                         f"{cli.fmt_number(_num(r.get('online_knn_bal_acc')))} | {'**best**' if r['best'] else ''}"
                          f"{'' if r['ckpt_exists'] else ' (pruned)'} |")
         if devices:
             lines += ["", f"Per test device ({task}): balanced accuracy / AUROC [95% CI]", "",

@@ -91,9 +91,12 @@ def evaluate(prob, y, groups, mask, classes, cfg) -> dict:
     return out
 
 
-def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path | None) -> dict:
+def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path | None,
+               predictions: dict | None = None) -> dict:
     """Every head on every encoder for one task, chosen on val and evaluated on val and test
-    (overall and per test device); writes the task's report when out_dir is given."""
+    (overall and per test device); writes the task's report when out_dir is given. The chosen
+    heads' class probabilities for every row go into `predictions[(encoder, head)]` when a
+    dict is given (paired comparisons of encoders need them)."""
     spec = TASKS[task]
     k = spec["classes"]
     y = np.array([spec["map"](r["label"]) for r in rows])
@@ -104,15 +107,18 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     result: dict = {"task": task, "classes": spec["names"], "counts": {s: np.bincount(y[split == s], minlength=k).tolist()
                                                                         for s in ("train", "val", "test")},
                     "probes": [], "per_device": {}, "cross_device": None}
-    best_prob = None
+    best = None  # (val rank, head, probabilities) of the pretrained encoder's head chosen on val: the plots
     for enc_name, feats in feats_by_encoder.items():
         for kind in cfg.heads:
             chosen, prob = fit_and_select(kind, cfg, feats, y, split, k)
             res = {"encoder": enc_name, "head": kind, **chosen, "val": evaluate(prob, y, groups, split == "val", k, cfg),
                    "test": evaluate(prob, y, groups, test, k, cfg)}
             result["probes"].append(res)
-            if enc_name == "pretrained" and kind == cfg.heads[0]:
-                best_prob = prob
+            if predictions is not None:
+                predictions[(enc_name, kind)] = prob
+            rank = val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"])
+            if enc_name == "pretrained" and (best is None or rank > best[0]):
+                best = (rank, kind, prob)
             if cfg.per_device and enc_name == "pretrained":
                 result["per_device"][kind] = {d: evaluate(prob, y, groups, test & (devices == d), k, cfg)
                                               for d in sorted(set(devices[test]))}
@@ -121,8 +127,10 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     result["probes"].append({"encoder": "none", "head": "majority_class", "test": evaluate(mprob, y, groups, test, k, cfg)})
     if cfg.cross_device and "pretrained" in feats_by_encoder:
         result["cross_device"] = cross_device(cfg, feats_by_encoder["pretrained"], y, split, devices, k)
+    if best is not None:
+        result["plotted_head"] = best[1]
     if out_dir is not None:
-        write_report(result, out_dir, y[test], best_prob[test] if best_prob is not None else None)
+        write_report(result, out_dir, y[test], best[2][test] if best is not None else None)
     return result
 
 
@@ -183,7 +191,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.set_yticks(range(k), short)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    ax.set_title(f"{result['task']}: pretrained encoder, test")
+    ax.set_title(f"{result['task']}: pretrained, {result['plotted_head']} head (chosen on val), test", fontsize=9)
     fig.tight_layout()
     plots.save_png(fig, out_dir / "confusion.png", dpi=90)
     fig, ax = plt.subplots(figsize=(5, 4.5))
@@ -198,7 +206,7 @@ def plot(out_dir: Path, result: dict, y, prob) -> None:
     ax.set_xlabel("false positive rate")
     ax.set_ylabel("true positive rate")
     ax.legend(fontsize=8)
-    ax.set_title(f"{result['task']}: ROC (one vs rest), test")
+    ax.set_title(f"{result['task']}: ROC (one vs rest), {result['plotted_head']} head, test", fontsize=9)
     fig.tight_layout()
     plots.save_png(fig, out_dir / "roc.png", dpi=90)
 
@@ -209,9 +217,12 @@ def check_tasks(cfg: ProbeConfig) -> None:
         raise cli.UsageError(f"tasks: unknown task {unknown[0]!r} (known: {', '.join(TASKS)})")
 
 
-def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True) -> dict:
+def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True,
+                     predictions: dict | None = None) -> dict:
     """All tasks' probes for one checkpoint, from features extracted once (kept under
-    <probe_dir>/features). The unit `make probe` and `make leaderboard` share."""
+    <probe_dir>/features). The unit `make probe`, `make leaderboard` and the learning check
+    share; `predictions` (a dict) receives {task: {(encoder, head): probabilities}} and
+    `rows` of the result the labelled rows they belong to."""
     check_tasks(cfg)
     enc, tcfg, ident = features.load_encoder(ckpt)
     cache = cfg.cache or tcfg.data.cache
@@ -232,7 +243,10 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
     results = {}
     for task in cfg.tasks:
         suffix = "_shuffled" if cfg.shuffle_labels else ""
-        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}" if reports else None)
+        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}" if reports else None,
+                                   None if predictions is None else predictions.setdefault(task, {}))
+    if predictions is not None:
+        predictions["rows"] = rows
     return {"ckpt": ckpt, "step": ident["step"], "cache": cache, "rows": len(rows),
             "rows_fingerprint": rows_fingerprint(rows), "features_reused": reused, "results": results,
             "probe_dir": str(probe_dir)}

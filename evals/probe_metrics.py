@@ -16,21 +16,37 @@ def summary(y, prob, k: int) -> dict:
     }
 
 
-def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
-    """95% intervals of balanced accuracy and AUROC, resampling participants (clusters)."""
+def participant_resamples(groups, n_boot: int, seed: int):
+    """Row indices of `n_boot` bootstrap resamples that draw participants (clusters) with
+    replacement and keep all rows of each: a participant's eyes are not independent."""
     rng = np.random.default_rng(seed)
     ids = np.unique(groups)
     rows_of = {g: np.flatnonzero(groups == g) for g in ids}
-    ba, au = [], []
     for _ in range(n_boot):
         pick = rng.choice(ids, size=len(ids), replace=True)
-        idx = np.concatenate([rows_of[g] for g in pick])
+        yield np.concatenate([rows_of[g] for g in pick])
+
+
+def _ci95(v) -> list:
+    v = np.asarray(v, dtype=float)
+    v = v[np.isfinite(v)]
+    return [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else [None, None]
+
+
+def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
+    """95% intervals of balanced accuracy and AUROC, resampling participants (clusters)."""
+    ba, au = [], []
+    for idx in participant_resamples(groups, n_boot, seed):
         ba.append(balanced_accuracy(y[idx], prob[idx].argmax(1), k))
         au.append(macro_auroc(y[idx], prob[idx]))
+    return {"balanced_accuracy_ci95": _ci95(ba), "auroc_macro_ovr_ci95": _ci95(au), "bootstrap_resamples": n_boot}
 
-    def ci(v):
-        v = np.asarray(v, dtype=float)
-        v = v[np.isfinite(v)]
-        return [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else [None, None]
 
-    return {"balanced_accuracy_ci95": ci(ba), "auroc_macro_ovr_ci95": ci(au), "bootstrap_resamples": n_boot}
+def paired_difference_ci(y, prob_a, prob_b, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Balanced accuracy of a minus b with a paired 95% interval: each resample of participants
+    scores both predictors on the same rows, so what they share cancels out."""
+    diffs = [balanced_accuracy(y[idx], prob_a[idx].argmax(1), k) - balanced_accuracy(y[idx], prob_b[idx].argmax(1), k)
+             for idx in participant_resamples(groups, n_boot, seed)]
+    point = balanced_accuracy(y, prob_a.argmax(1), k) - balanced_accuracy(y, prob_b.argmax(1), k)
+    return {"difference": float(point), "difference_ci95": _ci95(diffs), "bootstrap_resamples": n_boot,
+            "participants": int(len(np.unique(groups)))}

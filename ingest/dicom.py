@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import struct
 import warnings
 
 import numpy as np
@@ -18,7 +19,9 @@ from pydicom.pixels import get_decoder
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
 OCT_SOP_CLASSES = {OPT_SOP_CLASS, "1.2.840.10008.5.1.4.1.1.77.1.5.8"}
-DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (docs/measurements.md)
+DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (docs/measurements.md; `make bench`)
+PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
+LONG_LENGTH_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
 
 
 class BadInput(Exception):
@@ -49,14 +52,47 @@ def parse(data: bytes, where: str = "") -> pydicom.Dataset:
         raise BadInput(f"truncated or corrupt header: {type(exc).__name__}: {exc}") from None
 
 
-def check_header(ds: pydicom.Dataset, max_voxels: int, accept_any_sop: bool = False) -> tuple[int, int, int, int]:
-    """Validate what the header promises; returns (frames, rows, cols, bits_allocated)."""
+def parse_native(data: bytes) -> tuple[pydicom.Dataset | None, tuple[int, int] | None]:
+    """The header alone, and (offset, length) of native little-endian PixelData inside `data`,
+    so pixels can be a view of the file's bytes instead of two more copies of them (pydicom's
+    element value, then pixel_array). (None, None) when the data is compressed, big endian or
+    not laid out as expected: the caller then lets pydicom read it all."""
+    if len(data) == 0:
+        return None, None
+    fp = io.BytesIO(data)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds = pydicom.dcmread(fp, force=False, stop_before_pixels=True)
+        ts = ds.file_meta.TransferSyntaxUID
+        if ts.is_compressed or not ts.is_little_endian:
+            return None, None
+    except Exception:  # noqa: BLE001 - parse() gives the reason
+        return None, None
+    pos = fp.tell()
+    if data[pos:pos + 4] != PIXEL_DATA_TAG:
+        return None, None
+    if ts.is_implicit_VR:
+        offset, length = pos + 8, struct.unpack_from("<I", data, pos + 4)[0]
+    elif data[pos + 4:pos + 6] in LONG_LENGTH_VRS:
+        offset, length = pos + 12, struct.unpack_from("<I", data, pos + 8)[0]
+    else:
+        offset, length = pos + 8, struct.unpack_from("<H", data, pos + 6)[0]
+    if length == 0xFFFFFFFF:  # undefined length: encapsulated after all
+        return None, None
+    return ds, (offset, min(length, len(data) - offset))  # a short file reads short, as pydicom would
+
+
+def check_header(ds: pydicom.Dataset, max_voxels: int, accept_any_sop: bool = False,
+                 has_pixels: bool = False) -> tuple[int, int, int, int]:
+    """Validate what the header promises; returns (frames, rows, cols, bits_allocated).
+    `has_pixels`: PixelData was found outside `ds` (parse_native)."""
     sop = str(ds.get("SOPClassUID", ""))
     modality = str(ds.get("Modality", ""))
     if not accept_any_sop and sop not in OCT_SOP_CLASSES and modality != "OPT":
         raise BadInput(f"wrong SOP class: {sop or 'none'} (Modality {modality or 'none'}), expected "
                        f"Ophthalmic Tomography {OPT_SOP_CLASS} / OPT")
-    if "PixelData" not in ds:
+    if not has_pixels and "PixelData" not in ds:
         raise BadInput("no PixelData: the file holds a header only")
     try:
         rows, cols = int(ds.Rows), int(ds.Columns)
@@ -78,11 +114,13 @@ def check_header(ds: pydicom.Dataset, max_voxels: int, accept_any_sop: bool = Fa
     return frames, rows, cols, bits
 
 
-def check_native_length(ds: pydicom.Dataset, frames: int, rows: int, cols: int, bits: int) -> None:
-    """For uncompressed data the byte count must match the header exactly (up to padding)."""
+def check_native_length(ds: pydicom.Dataset, frames: int, rows: int, cols: int, bits: int,
+                        n: int | None = None) -> None:
+    """For uncompressed data the byte count (`n`, else len(PixelData)) must match the header
+    exactly (up to padding)."""
     if ds.file_meta.TransferSyntaxUID.is_compressed:
         return
-    n = len(ds.PixelData)
+    n = len(ds.PixelData) if n is None else n
     frame_bytes = rows * cols * bits // 8
     expected = frames * frame_bytes
     if n in (expected, expected + 1):
@@ -153,6 +191,20 @@ def decode(ds: pydicom.Dataset, frames: int, rows: int, cols: int, decoder: str 
     arr = arr.reshape((frames, rows, cols)) if arr.size == frames * rows * cols else None
     if arr is None:
         raise BadInput(f"frame count mismatch: decoded pixel data does not hold {frames}x{rows}x{cols}")
+    return unsigned_monochrome2(ds, arr)
+
+
+def native_view(ds: pydicom.Dataset, data: bytes, offset: int, frames: int, rows: int, cols: int,
+                bits: int) -> np.ndarray:
+    """Native little-endian pixels as a read-only view of the file's bytes (no copy)."""
+    signed = int(ds.get("PixelRepresentation", 0)) == 1
+    dtype = np.dtype(("<i" if signed else "<u") + str(bits // 8))
+    arr = np.frombuffer(data, dtype=dtype, count=frames * rows * cols, offset=offset)
+    return unsigned_monochrome2(ds, arr.reshape((frames, rows, cols)))
+
+
+def unsigned_monochrome2(ds: pydicom.Dataset, arr: np.ndarray) -> np.ndarray:
+    """MONOCHROME1 inverted to MONOCHROME2, signed storage shifted to unsigned (copies; rare)."""
     if str(ds.get("PhotometricInterpretation")) == "MONOCHROME1":
         arr = arr.max() - arr if arr.dtype.kind == "i" else np.iinfo(arr.dtype).max - arr
     if arr.dtype.kind == "i":  # signed storage: shift to unsigned range keeping order
@@ -163,10 +215,15 @@ def decode(ds: pydicom.Dataset, frames: int, rows: int, cols: int, decoder: str 
 def read_volume(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, decoder: str = "auto",
                 accept_any_sop: bool = False) -> Volume:
     """Bytes of one DICOM -> validated Volume, or BadInput naming what was wrong."""
-    ds = parse(data)
-    frames, rows, cols, bits = check_header(ds, max_voxels, accept_any_sop)
-    check_native_length(ds, frames, rows, cols, bits)
-    pixels = decode(ds, frames, rows, cols, decoder)
+    ds, span = parse_native(data)
+    if span is None:
+        ds = parse(data)
+    frames, rows, cols, bits = check_header(ds, max_voxels, accept_any_sop, has_pixels=span is not None)
+    check_native_length(ds, frames, rows, cols, bits, None if span is None else span[1])
+    if span is None:
+        pixels = decode(ds, frames, rows, cols, decoder)
+    else:
+        pixels = native_view(ds, data, span[0], frames, rows, cols, bits)
     lat = ds.get("ImageLaterality") or ds.get("Laterality")
     return Volume(pixels=pixels, spacing_mm=spacing_of(ds), transfer_syntax=str(ds.file_meta.TransferSyntaxUID),
                   bits_stored=int(ds.get("BitsStored", bits)), sop_instance_uid=str(ds.get("SOPInstanceUID", "")) or None,

@@ -58,6 +58,75 @@ LAYERS = (
     ("onl", 0.060, 0.22), ("ez", 0.010, 0.75), ("rpe", 0.016, 0.95), ("choroid", 0.120, 0.50),
 )
 VITREOUS, SCLERA = 0.04, 0.15
+LAYER_INDEX = {name: i for i, (name, _, _) in enumerate(LAYERS)}
+
+# The learning-check cohort's class cue: local lesions in the macula, as a researcher would look
+# for them in diabetic retinopathy. Hyperreflective foci (small bright dots in the inner retina)
+# and intraretinal fluid cysts (dark pockets in the INL/OPL) whose expected number per eye grows
+# with the study-group label (0 healthy ... 3 insulin dependent). Healthy eyes have some too, and
+# counts are Poisson, so single eyes overlap between classes (a subtle cue, not a give-away).
+FOCI_PER_EYE = (1.5, 2.5, 3.5, 4.5)
+CYSTS_PER_EYE = (0.3, 0.6, 0.9, 1.2)
+FOCUS_RADII = (0.12, 0.06, 0.018)     # frames (y), columns (x), depth (z): fractions of the [-1,1] / [0,1] axes
+CYST_RADII = (0.18, 0.09, 0.02)
+FOCUS_LEVEL, CYST_LEVEL = 0.95, 0.05   # reflectivity inside (RPE-bright dots, fluid-dark pockets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lesion:
+    y: float                  # frame coordinate in [-1, 1]
+    x: float                  # column coordinate in [-1, 1]
+    layer: str                # centred in this layer's depth at (y, x)
+    radii: tuple[float, float, float]
+    level: float              # reflectivity the lesion blends towards
+
+
+@dataclasses.dataclass(frozen=True)
+class Eye:
+    """Per-eye anatomy beyond the defaults: lesions, and confounders drawn independently of the label."""
+    lesions: tuple[Lesion, ...] = ()
+    thickness: float = 1.0    # every layer's thickness scaled by this
+    offset: float = 0.0       # added to the reflectivity before speckle (global brightness)
+
+
+def _macula_point(rng: np.random.Generator) -> tuple[float, float]:
+    """A point in the macula (inside the probes' centre crop) off the foveal pit, where the
+    inner layers are thin."""
+    while True:
+        y, x = rng.uniform(-0.6, 0.6), rng.uniform(-0.55, 0.55)
+        if x ** 2 + y ** 2 > 0.06:
+            return float(y), float(x)
+
+
+def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0) -> Eye:
+    """An eye of the cohort: lesion counts from the label (`lesions` scales the rates' growth
+    with the label; 0: every class like healthy), thickness and brightness independent of it."""
+    lab = 0 if label is None else int(label)
+    rate = lambda table: table[0] + lesions * (table[lab] - table[0])  # noqa: E731
+    items = []
+    for _ in range(rng.poisson(rate(FOCI_PER_EYE))):
+        y, x = _macula_point(rng)
+        items.append(Lesion(y, x, str(rng.choice(["gcl_ipl", "inl", "opl"])), FOCUS_RADII, FOCUS_LEVEL))
+    for _ in range(rng.poisson(rate(CYSTS_PER_EYE))):
+        y, x = _macula_point(rng)
+        items.append(Lesion(y, x, str(rng.choice(["inl", "opl"])), CYST_RADII, CYST_LEVEL))
+    return Eye(tuple(items), thickness=float(rng.uniform(0.85, 1.15)), offset=float(rng.uniform(-0.04, 0.04)))
+
+
+def _paint_lesions(img: np.ndarray, lesions, yf: float, x: np.ndarray, z: np.ndarray, bounds_f: np.ndarray) -> np.ndarray:
+    """Blend each lesion crossing frame coordinate `yf` into the reflectivity image [R, C]
+    (full level over the inner half of the ellipsoid, fading to none at its edge)."""
+    for les in lesions:
+        ry, rx, rz = les.radii
+        dy = ((yf - les.y) / ry) ** 2
+        if dy >= 1:
+            continue
+        k = LAYER_INDEX[les.layer]
+        zc = (bounds_f[:, k] + bounds_f[:, k + 1]) / 2                               # [C] layer middle
+        d2 = dy + ((x[0] - les.x) / rx)[None, :] ** 2 + ((z[:, None] - zc[None, :]) / rz) ** 2
+        w = np.clip(2.0 * (1.0 - d2), 0.0, 1.0)
+        img = img * (1 - w) + les.level * w
+    return img
 
 
 def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
@@ -66,14 +135,16 @@ def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
 
 
 def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, laterality: str = "R",
-                label: int | None = None, signal: float = 0.0) -> np.ndarray:
+                label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
     """A retina-like uint8 volume [frames, rows, cols].
 
     `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
     probe can learn (issue: probes on planted signal).
     A vessel arches from the disc towards frame 0 only and shadows the tissue below it: an
     up-down marker, so a frame-reversed cube shows its arc at the bottom of an en-face image.
+    `eye` adds lesions and per-eye thickness and brightness (the learning-check cohort).
     """
+    eye = eye or Eye()
     frames, rows, cols = shape
     y = np.linspace(-1, 1, frames, dtype=np.float32)[:, None]
     x = np.linspace(-1, 1, cols, dtype=np.float32)[None, :]
@@ -91,7 +162,7 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
             t = t * (1 - 0.85 * fovea)
         if name == "inl" and signal and label is not None:
             t = t + signal * 0.012 * label
-        thick.append(t)
+        thick.append(t * eye.thickness)
     bounds = surface[..., None] + np.cumsum(np.stack(thick, -1), -1)           # [F, C, L]
     bounds = np.concatenate([surface[..., None], bounds], -1)                   # [F, C, L+1]
     levels = np.array([VITREOUS] + [b for _, _, b in LAYERS] + [SCLERA], dtype=np.float32)
@@ -107,6 +178,7 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
         depth_below = np.clip(z[:, None] - bounds[f, :, -2][None], 0, None)     # choroid fades
         img = img * np.where(idx >= len(LAYERS), np.exp(-depth_below * 8), 1.0)
         img = img * np.where(vessel[f][None, :] & (idx > 1), 0.5, 1.0)          # shadow below the RNFL
+        img = _paint_lesions(img, eye.lesions, float(y[f, 0]), x, z, bounds[f]) + eye.offset
         speckle = rng.gamma(2.0, 0.5, size=img.shape).astype(np.float32)
         img = gain * img * speckle + np.abs(rng.normal(0.03, 0.02, size=img.shape)).astype(np.float32)  # noise floor
         img = np.log1p(40 * np.clip(img, 0, None)) / np.log1p(40 * 1.6)
@@ -176,6 +248,7 @@ class SynthConfig:
     scale: int = 8
     seed: int = 0
     signal: float = 0.0          # planted class cue strength (0: none)
+    lesions: float | None = None  # the cohort's lesion cue (sample_eye); None: no lesions, no per-eye confounders
     bad_files: bool = True
     split_column: bool = True    # write recommended_split (False exercises the fallback)
     id_column: str = "participant_id"  # or person_id (release 3)
@@ -240,7 +313,9 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         spacing = tuple(s * n / m for s, n, m in zip(spec.spacing, (f, r, c), shape))
         if cfg.placeholders:
             return None, shape, generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
-        vol = make_volume(shape, vol_rng or rng, lat, label, cfg.signal)
+        r = vol_rng or rng
+        eye = sample_eye(label, r, cfg.lesions) if cfg.lesions is not None else None
+        vol = make_volume(shape, r, lat, label, cfg.signal, eye)
         if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
             vol = vol[::-1].copy()
         uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
@@ -331,6 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--scale", type=int, default=SynthConfig.scale)
     ap.add_argument("--seed", type=int, default=SynthConfig.seed)
     ap.add_argument("--signal", type=float, default=SynthConfig.signal)
+    ap.add_argument("--lesions", type=float, default=None,
+                    help="the learning-check cohort's cue: macular lesions whose number grows with the label "
+                         "(1: the cohort's rates, 0: every class like healthy), with per-eye thickness and brightness")
+    ap.add_argument("--unlabeled", type=int, default=SynthConfig.unlabeled, help="participants without a study group")
     ap.add_argument("--no-bad-files", action="store_true")
     ap.add_argument("--no-split-column", action="store_true")
     ap.add_argument("--person-id", action="store_true", help="name the ID column person_id (release 3)")
@@ -339,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
-    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal,
+    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions,
+                      unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
     counts = generate(a.out, cfg)

@@ -35,7 +35,7 @@ from manifests import layout, schema
 from octfm import cli, fsio, plots
 from train import curves, run_folder
 from train.run_folder import RunFolder
-from train.metrics import read_metrics
+from train.metrics import read_splits
 
 HIST_VOXELS = 200_000  # subsampled source voxels per histogram (strided, like the cache's window)
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
@@ -258,15 +258,17 @@ def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -
 
 
 # ------------------------------------------------------------------ the run
-def run_summary_rows(train: dict, val: dict) -> list[list]:
-    steps = sorted(train)
+def run_summary_rows(train: dict, val: dict, probe: dict | None = None) -> list[list]:
     rows = []
-    for key, title in curves.PANELS + [("skipped_updates", "skipped updates")]:
-        vals = [train[s].get(key) for s in steps]
+    curves_of = [(train, key, key, title) for key, title in curves.PANELS + [("skipped_updates", "skipped updates")]]
+    keys = sorted({k for r in (probe or {}).values() for k in r if k.endswith("_bal_acc")})
+    curves_of += [(probe, f"probe/{k}", k, "online probe, val balanced accuracy (first: random init)") for k in keys]
+    for records, name, key, title in curves_of:
+        vals = [records[s].get(key) for s in sorted(records)]
         finite = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
         if not finite:
             continue
-        rows.append([key, title, finite[0], finite[-1], min(finite), max(finite), len(vals) - len(finite)])
+        rows.append([name, title, finite[0], finite[-1], min(finite), max(finite), len(vals) - len(finite)])
     if val:
         vs = sorted(val)
         losses = [val[s].get("loss") for s in vs]
@@ -312,14 +314,15 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
     parts = [f"<h2>Run: {esc(run_dir.name)}</h2>", f'<p class="muted">{esc(run_dir)}</p>']
     if not run_dir.is_dir():
         return parts + [note(f"{run_dir}: no such run folder")], 0
-    train, val = read_metrics(run_dir)
-    png = curves.curves_png((train, val), run_dir.name)
+    splits = read_splits(run_dir)
+    train, val = splits.get("train", {}), splits.get("val", {})
+    png = curves.curves_png(splits, run_dir.name)
     if png is None:
         parts.append(note(f"{run_dir}/metrics.jsonl: no training rows yet"))
     else:
         parts.append(image(png, "training curves"))
         parts.append(table(["key", "curve", "first", "last", "min", "max", "null (non-finite)"],
-                           run_summary_rows(train, val)))
+                           run_summary_rows(train, val, splits.get("probe", {}))))
     wandb_runs = sorted((run_dir / "wandb").glob("*run-*")) if (run_dir / "wandb").is_dir() else []
     if wandb_runs:
         parts.append(f"<p>W&amp;B runs (same names under train/ and val/; offline ones: "

@@ -76,6 +76,32 @@ def same_weights(a: dict, b: dict) -> bool:
                for p in ("model", "target"))
 
 
+def same_optimizer(a: dict, b: dict) -> bool:
+    """Two checkpoints hold bit-identical optimizer states (moments and step counts), key for key."""
+    import torch
+
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    return sa.keys() == sb.keys() and all(
+        sa[p].keys() == sb[p].keys() and all(torch.equal(sa[p][k], sb[p][k]) for k in sa[p]) for p in sa)
+
+
+def guard_driver(out: Path, steps: int, spikes: dict[int, str], overrides: list[str], spike_rank: int = 0,
+                 nproc: int = 1, env: dict | None = None) -> list[dict]:
+    """Run tests/guard_driver.py (under torchrun when nproc > 1): `steps` updates with the loss
+    multiplied by spikes[step] on process `spike_rank`; returns each process's record."""
+    import torch
+
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    cmd = [*launch, "tests/guard_driver.py", "--out", str(out), "--steps", str(steps), "--spike-rank", str(spike_rank),
+           *[f"--spike={s}:{v}" for s, v in spikes.items()], "--", *overrides]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return [torch.load(out / f"rank{i}.pt", weights_only=True) for i in range(nproc)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -272,13 +298,13 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_cache, tmp_path_factory) -> Path:
-    """A 4-step run on tiny_cache with validation, W&B offline (checkpoints as artifacts) and a
-    small probe: the run folder `make report` and the W&B test read."""
+    """A 4-step run on tiny_cache with validation, the online probe, W&B offline (checkpoints as
+    artifacts) and a small probe: the run folder `make report` and the W&B test read."""
     root = tmp_path_factory.mktemp("tiny_run")
     env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     args = tiny_train_args(tiny_cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
-                           val_batches=1, **{"wandb.enabled": "true", "wandb.mode": "offline",
-                                             "wandb.log_checkpoints": "true"})
+                           val_batches=1, eval_every=2, **{"wandb.enabled": "true", "wandb.mode": "offline",
+                                                           "wandb.log_checkpoints": "true", "online_probe.k": 3})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     run = root / "runs" / "tiny"

@@ -14,7 +14,8 @@ def test_mask_invariants(shape, tubelet):
     for _ in range(200):
         sets = M.sample_masks(grid, cfg, sizes, rng)
         assert len(sets) == 2
-        for (ctx, tgt, blocks), size, set_cfg in zip(sets, sizes, cfg.sets):
+        for (ctx, tgt, blocks, valid), size, set_cfg in zip(sets, sizes, cfg.sets):
+            assert valid is None
             assert len(ctx) == size.context_cells * grid.depth and len(tgt) == size.target_cells * grid.depth
             assert len(np.intersect1d(ctx, tgt)) == 0
             assert ctx.min() >= 0 and tgt.max() < grid.tokens
@@ -48,5 +49,51 @@ def test_masks_are_reproducible_from_the_seed():
     sizes = M.calibrate(grid, cfg)
     a = M.sample_masks(grid, cfg, sizes, np.random.default_rng([0, 3, 7]))
     b = M.sample_masks(grid, cfg, sizes, np.random.default_rng([0, 3, 7]))
-    for (c1, t1, _), (c2, t2, _) in zip(a, b):
+    for (c1, t1, _, _), (c2, t2, _, _) in zip(a, b):
         assert (c1 == c2).all() and (t1 == t2).all()
+
+
+def test_padded_context_keeps_every_visible_cell():
+    """On [32, 96, 96] (288 tokens) the trimmed context keeps 66 and 12 tokens per set; the
+    padded one keeps every cell no block covers (on average far more), at a fixed length."""
+    grid = M.grid_for((32, 96, 96), (4, 16, 16))
+    trimmed, padded = MaskConfig(), MaskConfig(context="padded")
+    assert [s.context_cells * grid.depth for s in M.calibrate(grid, trimmed, seed=0)] == [66, 12]
+    sizes = M.calibrate(grid, padded, seed=0)
+    rng = np.random.default_rng(0)
+    kept = [[], []]
+    for _ in range(200):
+        for i, ((ctx, tgt, blocks, valid), size) in enumerate(zip(M.sample_masks(grid, padded, sizes, rng), sizes)):
+            assert len(ctx) == len(valid) == size.context_cells * grid.depth
+            assert len(tgt) == size.target_cells * grid.depth
+            real = ctx[valid]
+            assert len(np.unique(real)) == len(real) and len(np.intersect1d(real, tgt)) == 0
+            assert (ctx[~valid] == ctx[0]).all()  # padding repeats a real id (gathers stay in range)
+            cells = np.unique(np.divmod(real, grid.depth * grid.cols)[0] * grid.cols + real % grid.cols)
+            uncovered = np.flatnonzero(~M._union(grid, blocks).reshape(-1))
+            assert len(uncovered) == 0 or set(cells) == set(uncovered)
+            kept[i].append(valid.sum())
+    assert np.mean(kept[0]) > 90 and np.mean(kept[1]) > 30
+
+
+def test_padding_is_invisible_to_the_encoder_and_predictor():
+    """What sits in the padded slots changes no output at a real context or target position."""
+    import torch
+
+    from train.config import ModelConfig
+    from train.model import JEPA
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(tubelet=(4, 16, 16), dim=32, depth=2, heads=2, pred_dim=16, pred_depth=1, pred_heads=2)
+    model = JEPA(cfg, (16, 48, 48)).eval()
+    x = torch.randn(1, 1, 16, 48, 48)
+    real = torch.tensor([[0, 5, 9, 20]])
+    tgt = torch.tensor([[1, 2, 30]])
+    valid = torch.tensor([[True, True, True, True, False, False]])
+    outs = []
+    for pad in ([0, 0], [33, 17]):
+        ctx = torch.cat([real, torch.tensor([pad])], 1)
+        with torch.no_grad():
+            h = model.encoder(x, ctx, valid)
+            outs.append((h[:, :4], model.predictor(h, ctx, tgt, valid)))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_cli, same_weights, tiny_train_args
+from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, tiny_train_args
 
 from octfm import config
 from train import checkpoint, pretrain, runtime, schedule
@@ -137,9 +137,7 @@ def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
     b = checkpoint.load(str(ckdir / "latest.pt"))
     assert a["step"] == b["step"] == 30
     assert same_weights(a, b)
-    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys() and a["optimizer"]["state"]
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a["optimizer"]["state"] and same_optimizer(a, b)
     la = _last_by_step(tmp_path / "a" / "ref" / "metrics.jsonl")
     lb = _last_by_step(tmp_path / "b" / "ref" / "metrics.jsonl")
     assert [la[s]["loss"] for s in range(1, 31)] == [lb[s]["loss"] for s in range(1, 31)]
@@ -169,6 +167,34 @@ def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
     lb = _last_by_step(tmp_path / "two" / "d" / "metrics.jsonl")
     for s in (1, 2, 3):
         assert la[s]["loss"] == pytest.approx(lb[s]["loss"], rel=1e-4)
+
+
+def test_ddp_spike_on_one_rank_is_skipped_by_both(tiny_cache, tmp_path):
+    """A loss spike on rank 1 only: both ranks skip that update exactly and stay identical
+    (weights, EMA target, optimizer moments and step counts) at every step."""
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", batch_size=2)
+    r0, r1 = guard_driver(tmp_path / "out", steps=4, spikes={3: "1e4"}, spike_rank=1, overrides=args, nproc=2)
+    assert r0["skipped"] == r1["skipped"] == [0, 0, 1, 1]
+    for a, b in zip(r0["states"], r1["states"]):
+        assert same_weights(a, b) and same_optimizer(a, b)
+    before, spiked, after = r0["states"][1:]
+    assert same_weights(before, spiked) and same_optimizer(before, spiked)
+    assert not same_weights(spiked, after)  # and training went on
+
+
+def test_update_guard_lockout_stops_the_run_naming_step_and_checkpoint(tiny_cache, tmp_path):
+    """A loss that can never pass the guard (spike_factor tiny): after max_consecutive_skips
+    skipped updates the run stops with status 1, naming the step and the newest checkpoint."""
+    args = tiny_train_args(tiny_cache, tmp_path, name="lock", max_steps=20, ckpt_every=2,
+                           **{"optim.spike_factor": 1e-6, "optim.max_consecutive_skips": 3})
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    ckpts = tmp_path / "lock" / "checkpoints"
+    assert "up to step 4 were all skipped" in r.stderr and str(ckpts / "step_0000002.pt") in r.stderr, r.stderr
+    assert not (ckpts / "step_0000004.pt").exists()  # it stops before saving what it skipped
+    recs = _last_by_step(tmp_path / "lock" / "metrics.jsonl")
+    assert sorted(recs) == [1, 2, 3, 4] and recs[4]["consecutive_skips"] == 3 and recs[4]["skipped_updates"] == 3
 
 
 def _free_port():
@@ -234,8 +260,9 @@ def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_r
         row = json.loads(line)
         split, step = row.pop("split"), row.pop("step")
         expected.setdefault(step, {}).update({f"{split}/{k}": v for k, v in row.items()})
-    assert sorted(history) == sorted(expected) == [1, 2, 3, 4]
+    assert sorted(history) == sorted(expected) == [0, 1, 2, 3, 4]
     assert "val/loss" in history[2] and "val/loss" in history[4]
+    assert all(f"probe/{t}/knn_bal_acc" in history[s] for t in ("study_group", "diabetic") for s in (0, 2, 4))
     for step, want in expected.items():
         assert history[step] == pytest.approx(want), step  # same names, same values as metrics.jsonl
     cfg = yaml.safe_load((tiny_run / "config.yaml").read_text())

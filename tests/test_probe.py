@@ -35,12 +35,47 @@ def test_collapse_flag_fires_on_a_constant_predictor():
     assert not pm.summary(y, np.eye(4)[y], 4)["collapsed"]
 
 
+def _clustered_predictions(seed: int = 0):
+    """20 participants with 10 rows each; a predictor that is right on every row of half the
+    participants and wrong on every row of the others: errors come in whole participants."""
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(20), 10)
+    y = rng.integers(0, 2, len(groups))
+    right = np.repeat(np.arange(20) % 2 == 0, 10)
+    pred = np.where(right, y, 1 - y)
+    return y, np.eye(2)[pred] * 0.8 + 0.1, groups
+
+
 def test_bootstrap_resamples_participants():
-    y = np.array([0, 1] * 20)
-    prob = np.eye(2)[y] * 0.8 + 0.1
-    groups = np.repeat(np.arange(20), 2)
-    ci = pm.bootstrap_ci(y, prob, groups, 2, n_boot=200)
-    assert ci["balanced_accuracy_ci95"] == [1.0, 1.0]
+    """Resampling participants gives a much wider interval than resampling rows would: the
+    rows of a participant are not independent (a row-level bootstrap fails this test)."""
+    y, prob, groups = _clustered_predictions()
+    by_person = pm.bootstrap_ci(y, prob, groups, 2, n_boot=400)["balanced_accuracy_ci95"]
+    by_row = pm.bootstrap_ci(y, prob, np.arange(len(y)), 2, n_boot=400)["balanced_accuracy_ci95"]
+    assert by_person[0] < 0.5 < by_person[1]
+    assert by_person[1] - by_person[0] > 2 * (by_row[1] - by_row[0])
+    assert by_person[1] - by_person[0] > 0.3
+
+
+def test_paired_difference_resamples_participants_together():
+    """Two predictors that share the participant-level errors and differ on 20% of rows: the
+    paired interval over participants is narrow around +0.2 (unpaired intervals of each would
+    overlap), and the same data resampled by row would be narrower still."""
+    y, prob_b, groups = _clustered_predictions()
+    pred_a = prob_b.argmax(1).copy()
+    flip = np.flatnonzero(pred_a != y)[::2][:40]                   # a fixes 40 of b's 100 errors
+    pred_a[flip] = y[flip]
+    prob_a = np.eye(2)[pred_a] * 0.8 + 0.1
+    d = pm.paired_difference_ci(y, prob_a, prob_b, groups, 2, n_boot=400)
+    assert d["participants"] == 20
+    assert d["difference"] == pytest.approx(pm.balanced_accuracy(y, pred_a, 2) - pm.balanced_accuracy(y, prob_b.argmax(1), 2))
+    lo, hi = d["difference_ci95"]
+    assert 0 < lo < d["difference"] < hi
+    a_ci = pm.bootstrap_ci(y, prob_a, groups, 2, n_boot=400)["balanced_accuracy_ci95"]
+    b_ci = pm.bootstrap_ci(y, prob_b, groups, 2, n_boot=400)["balanced_accuracy_ci95"]
+    assert a_ci[0] < b_ci[1]                                        # unpaired: the intervals overlap
+    by_row = pm.paired_difference_ci(y, prob_a, prob_b, np.arange(len(y)), 2, n_boot=400)["difference_ci95"]
+    assert hi - lo > by_row[1] - by_row[0]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +110,9 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
     for name in ("metrics.json", "report.md", "confusion.png", "roc.png"):
         assert (task_dir / name).stat().st_size > 0
     metrics = json.loads((task_dir / "metrics.json").read_text())
+    pre = [p for p in metrics["probes"] if p["encoder"] == "pretrained"]   # the plots show the head chosen on val
+    assert metrics["plotted_head"] == max(pre, key=lambda p: probe.val_rank(p["val_balanced_accuracy"],
+                                                                            p["val_auroc"]))["head"]
     test_devices = set(metrics["per_device"]["linear"])
     assert len(test_devices) >= 2 and test_devices <= {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton",
                                                        "zeiss_cirrus"}

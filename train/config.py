@@ -48,6 +48,10 @@ class MaskConfig:
     sets: list[MaskSetConfig] = dataclasses.field(default_factory=lambda: [
         MaskSetConfig(blocks=8, scale=(0.15, 0.15)), MaskSetConfig(blocks=2, scale=(0.7, 0.7))])
     calibration_samples: int = 256   # masks drawn at start-up to fix the token counts
+    # trimmed: the context is a fixed subsample of the visible cells, sized by the 90th percentile
+    # of the masked area (the rest of the visible cells is dropped); padded: every visible cell
+    # is context, padded to the largest possible count and masked out of attention
+    context: Literal["trimmed", "padded"] = "trimmed"
 
 
 @dataclasses.dataclass
@@ -62,6 +66,19 @@ class OptimConfig:
     ema: tuple[float, float] = (0.998, 1.0)   # target-encoder momentum, start -> end
     accum_steps: int = 1
     spike_factor: float = 5.0                 # skip an update whose loss exceeds this x the recent mean
+    max_consecutive_skips: int = 100          # this many skipped updates in a row stop the run (exit 1); 0: never
+
+
+@dataclasses.dataclass
+class OnlineProbeConfig:
+    """The probe run every `eval_every` steps on the EMA target encoder: k-NN and closed-form
+    ridge balanced accuracy on val for each probe task, from a fixed subset of labelled rows."""
+    max_train: int = 256                      # labelled train rows (evenly spaced by path; all when fewer)
+    max_val: int = 128                        # labelled val rows, likewise
+    k: int = 10                               # neighbours of the k-NN vote (cosine, class-balanced)
+    ridge: float = 1.0                        # ridge penalty x rows (features standardised); 0: no ridge score
+    batch_size: int = 4                       # volumes per forward (the last batch is padded: one XLA graph)
+    memory_mb: int = 512                      # keep the cropped inputs in memory when they fit (else re-read)
 
 
 @dataclasses.dataclass
@@ -84,6 +101,7 @@ class TrainConfig:
     log_every: int = 10
     val_every: int = 0                        # 0: no validation
     val_batches: int = 4
+    eval_every: int = 0                       # online probe every this many steps, and at step 0; 0: off
     ckpt_every: int = 1000
     keep_last: int | None = None              # prune older periodic checkpoints; None keeps all
     runs_dir: str = "runs"
@@ -93,4 +111,5 @@ class TrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mask: MaskConfig = dataclasses.field(default_factory=MaskConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    online_probe: OnlineProbeConfig = dataclasses.field(default_factory=OnlineProbeConfig)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)

@@ -36,12 +36,12 @@ def feature_std(features: torch.Tensor) -> float:
     return float(f.std(dim=0).mean())
 
 
-def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """metrics.jsonl as ({step: train record}, {step: val record}); a resumed run rewrites
-    steps, so the last record of a step wins. Empty when the file is missing; a line cut
-    short by a kill or a full disk is skipped."""
+def read_splits(run_dir: str | Path) -> dict[str, dict[int, dict]]:
+    """metrics.jsonl as {split: {step: record}} (splits: train, val, probe); a resumed run
+    rewrites steps, so the last record of a step wins. Empty when the file is missing; a line
+    cut short by a kill or a full disk is skipped."""
     path = RunFolder(run_dir).metrics
-    train, val = {}, {}
+    out: dict[str, dict[int, dict]] = {}
     if path.exists():
         for line in path.read_text(errors="replace").splitlines():
             try:
@@ -49,12 +49,18 @@ def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]
             except json.JSONDecodeError:
                 continue
             if isinstance(r, dict) and "step" in r:
-                (val if r.get("split") == "val" else train)[r["step"]] = r
-    return train, val
+                out.setdefault(r.get("split", "train"), {})[r["step"]] = r
+    return out
+
+
+def read_metrics(run_dir: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """The train and val records of metrics.jsonl ({step: record} each), as read_splits."""
+    s = read_splits(run_dir)
+    return s.get("train", {}), s.get("val", {})
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/ and val/ when enabled:
+    """Append-only metrics.jsonl (rank 0), mirrored to W&B under train/, val/ and probe/ when enabled:
     W&B keys are `<split>/<jsonl key>`, so a curve has one name everywhere. The run's config
     goes to W&B as its config; checkpoints optionally as "model" artifacts."""
 

@@ -51,10 +51,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep` [B, N] bool: the tokens others may attend to (None: all)."""
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :])
         return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
 
@@ -67,8 +68,8 @@ class Block(nn.Module):
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), keep)
         return x + self.mlp(self.norm2(x))
 
 
@@ -83,7 +84,8 @@ def _init_weights(m: nn.Module) -> None:
 
 
 class Encoder(nn.Module):
-    """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens, transform."""
+    """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens (of which only
+    the `valid` ones are attended to, for a padded context), transform."""
 
     def __init__(self, cfg: ModelConfig, input_shape):
         super().__init__()
@@ -100,12 +102,12 @@ class Encoder(nn.Module):
     def num_tokens(self) -> int:
         return math.prod(self.grid)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         t = self.patch(x).flatten(2).transpose(1, 2) + self.pos
         if idx is not None:
             t = gather_tokens(t, idx)
         for blk in self.blocks:
-            t = blk(t)
+            t = blk(t, valid)
         return self.norm(t)
 
 
@@ -123,14 +125,16 @@ class Predictor(nn.Module):
         self.apply(_init_weights)
         nn.init.trunc_normal_(self.mask_token, std=0.02)
 
-    def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor,
+                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
         b = ctx.shape[0]
         pos = self.pos.unsqueeze(0).expand(b, -1, -1)
         c = self.embed(ctx) + gather_tokens(pos, ctx_idx)
         m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_tokens(pos, tgt_idx)
         x = torch.cat([c, m], dim=1)
+        keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, keep)
         return self.out(self.norm(x[:, c.shape[1]:]))
 
 
@@ -143,12 +147,13 @@ class JEPA(nn.Module):
         self.encoder = Encoder(cfg, input_shape)
         self.predictor = Predictor(cfg, self.encoder.grid)
 
-    def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                 targets: torch.Tensor) -> torch.Tensor:
+        """`masks`: (context ids, target ids, context validity or None) per mask set."""
         losses = []
-        for ctx_idx, tgt_idx in masks:
-            ctx = self.encoder(x, ctx_idx)
-            pred = self.predictor(ctx, ctx_idx, tgt_idx)
+        for ctx_idx, tgt_idx, ctx_valid in masks:
+            ctx = self.encoder(x, ctx_idx, ctx_valid)
+            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
             losses.append((pred.float() - tgt.float()).abs().mean())
         return torch.stack(losses).mean()

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from octfm import cli, config, fsio
-from train import checkpoint, data, masks, metrics, run_folder, runtime, schedule
+from train import checkpoint, data, masks, metrics, online_probe, run_folder, runtime, schedule
 from train.run_folder import RunFolder
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, target_features
@@ -35,7 +35,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tensor):
+    """AdamW with a device-tensor lr. Its `step` count lives on the device where the update
+    guard must select it without a host sync: fused on CUDA, capturable on XLA (the default
+    keeps it as a host tensor that every call advances); on the CPU it is a CPU tensor anyway."""
     kw = {"fused": True} if rt.kind == "cuda" else {"foreach": False}  # tensor lr needs one of these
+    if rt.kind == "xla":
+        kw["capturable"] = True
     return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas), **kw)
 
 
@@ -75,6 +80,30 @@ def ema_update(target: Encoder, online: Encoder, momentum: torch.Tensor) -> None
         t.lerp_(o.detach(), w)
 
 
+@torch.no_grad()
+def guarded_step(opt: torch.optim.Optimizer, ok: torch.Tensor) -> None:
+    """opt.step() kept only where `ok` (a 0-dim bool device tensor): the parameters and the
+    optimizer state it touches (AdamW moments and step count) are copied first and selected
+    back with torch.where. A skip is exact (NaN gradients included), needs no host sync and is
+    one code path, so XLA compiles one graph whatever the decision. A state the step created
+    (first update) falls back to zeros, AdamW's initial state. A group whose lr is 0 keeps its
+    weights as they were (capturable AdamW divides by the lr: 0/0 where a moment is 0)."""
+    before = []
+    for g in opt.param_groups:
+        moved = ok & (torch.as_tensor(g["lr"], device=ok.device) != 0)
+        for p in g["params"]:
+            if p.grad is not None:
+                state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                before.append((p, moved, p.detach().clone(), state))
+    opt.step()
+    for p, moved, old, old_state in before:
+        torch.where(moved, p, old, out=p)
+        for k, v in opt.state[p].items():
+            if torch.is_tensor(v):
+                prev = old_state[k] if k in old_state else torch.zeros_like(v)
+                torch.where(ok.to(v.device), v, prev, out=v)
+
+
 class Trainer:
     """Holds the state that a checkpoint captures; `run` is the loop."""
 
@@ -98,9 +127,14 @@ class Trainer:
         self.opt = build_optimizer(self.model, cfg, rt, self.lr)
         self.loss_mean = torch.full((), float("inf"), device=rt.device)  # no spike test before a first loss
         self.skipped = torch.zeros((), device=rt.device)
+        self.skip_run = torch.zeros((), device=rt.device)  # consecutive skipped updates (the lockout bound)
+        # Multiplies every micro-batch loss (1 in training): a test hook that injects a loss
+        # spike on one process without touching the code. Set it with set_scalar.
+        self.loss_scale = torch.tensor(1.0, device=rt.device)
         self.step = 0
         self.consumed = 0  # batches drawn per process: the data position
         self._val = None   # (val row count, loader), built at the first validation
+        self._probe = None  # the online probe, built at its first use
         self.resumed_from = self._maybe_resume(ckpt)
 
     # ------------------------------------------------------------ checkpoints
@@ -109,8 +143,8 @@ class Trainer:
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
             "scheduler": {"step": self.step, "lr": float(self.lr), "ema_momentum": float(self.momentum)},
             "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
-            "skipped_updates": self.skipped.cpu(), "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg),
-            "world": self.rt.world,
+            "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(),
+            "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
         })
 
     def _maybe_resume(self, ckpt: str | None) -> str | None:
@@ -132,6 +166,7 @@ class Trainer:
         self.step, self.consumed = int(st["step"]), int(st["consumed_batches"])
         self.loss_mean.copy_(st["loss_mean"])
         self.skipped.copy_(st["skipped_updates"])
+        self.skip_run.copy_(st.get("consecutive_skips", torch.zeros(())))  # absent before the lockout bound
         checkpoint.set_rng_state(st["rng"])
         return uri
 
@@ -158,8 +193,12 @@ class Trainer:
 
     # ------------------------------------------------------------ one update
     def update(self, batches, net) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward/backward over the micro-batches, clip, guard, step, EMA. No host sync
-        except the skip decision on cpu/cuda."""
+        """Forward/backward over the micro-batches, clip, guard, step, EMA; no host sync.
+
+        The guard skips an update whose loss or grad norm is not finite or whose loss exceeds
+        optim.spike_factor x the running mean of accepted losses. Everything the decision reads
+        is global (the loss is averaged over processes first; the grad norm is of DDP's
+        all-reduced gradients), so every process decides alike. Returns the global loss."""
         cfg, rt = self.cfg, self.rt
         accum = len(batches)
         loss_sum = torch.zeros((), device=rt.device)
@@ -169,27 +208,38 @@ class Trainer:
             with rt.autocast():
                 targets = target_features(self.target, x)
             with rt.no_sync(net, i < accum - 1), rt.autocast():
-                loss = net(x, data.mask_pairs(b), targets)
+                loss = net(x, data.mask_pairs(b), targets) * self.loss_scale
             (loss / accum).backward()
             loss_sum = loss_sum + loss.detach().float()
-        loss = loss_sum / accum
+        loss = rt.all_mean(loss_sum / accum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)  # pre-clip norm
         ok = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss < cfg.optim.spike_factor * self.loss_mean)
-        okf = ok.float()
-        if rt.kind == "xla":  # no host sync: zero the update instead of branching
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(okf)
-            self.opt.step()
-            ema_update(self.target, self.model.encoder, torch.where(ok, self.momentum, torch.ones_like(self.momentum)))
-        elif bool(ok):
-            self.opt.step()
-            ema_update(self.target, self.model.encoder, self.momentum)
+        guarded_step(self.opt, ok)
+        # momentum 1 on a skip: target + 0 * (online - target), exact (the online weights are finite)
+        ema_update(self.target, self.model.encoder, torch.where(ok, self.momentum, torch.ones_like(self.momentum)))
         self.opt.zero_grad(set_to_none=True)
         new_mean = torch.where(torch.isinf(self.loss_mean), loss, 0.9 * self.loss_mean + 0.1 * loss)
         self.loss_mean.copy_(torch.where(ok, new_mean, self.loss_mean))
-        self.skipped.add_(1.0 - okf)
+        skipped = (~ok).float()
+        self.skipped.add_(skipped)
+        self.skip_run.copy_((self.skip_run + 1.0) * skipped)
         return loss, grad_norm, targets
+
+    def check_lockout(self) -> None:
+        """Stop (exit 1) after optim.max_consecutive_skips skipped updates in a row. The running
+        mean moves only on accepted steps and skipped steps leave the weights as they were, so
+        such a run would skip for good: a person must decide. Read where the loop already syncs."""
+        limit = self.cfg.optim.max_consecutive_skips
+        n = int(self.skip_run)
+        if not limit or n < limit:
+            return
+        newest = checkpoint.newest_whole(self.ckpt_dir, warn=lambda _: None)
+        raise cli.JobAborted(
+            f"update guard: the last {n} updates up to step {self.step} were all skipped "
+            f"(optim.max_consecutive_skips={limit}): the loss stayed non-finite or above optim.spike_factor="
+            f"{self.cfg.optim.spike_factor} x its running mean {float(self.loss_mean):.4g}. Newest whole checkpoint: "
+            f"{newest or 'none yet'} (the next start resumes from it): raise optim.spike_factor to get past these "
+            f"steps, or inspect their data and learning rate.")
 
     @torch.no_grad()
     def validate(self) -> dict | None:
@@ -220,14 +270,40 @@ class Trainer:
     def run(self, progress: bool = True) -> dict:
         cfg, rt = self.cfg, self.rt
         log = metrics.MetricsLog(self.run_dir, rt.is_master, cfg.wandb, config.to_dict(cfg))
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
+                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
+        try:
+            return self._loop(log, bar)
+        finally:
+            bar.close()
+            log.close()
+
+    def online_probe(self, log: metrics.MetricsLog, postfix: dict) -> None:
+        """Score the EMA target encoder (every process computes it, so XLA SPMD hosts run the
+        same graphs; rank 0 logs) and show it in the progress line."""
+        if self._probe is None:
+            self._probe = online_probe.OnlineProbe(self.cfg, self.rt.device, self.rt.autocast)
+            if not self._probe.usable and self.rt.is_master:
+                print(f"online probe: no labelled train and val rows in {self.cfg.data.cache}; eval_every is ignored")
+        if not self._probe.usable:
+            return
+        rec = self._probe(self.target, self.step)
+        log.log(rec, prefix="probe")
+        postfix.update({f"knn_{t}": "n/a" if v is None else f"{v:.3f}"
+                        for t, v in ((k.split("/")[0], v) for k, v in rec.items() if k.endswith("/knn_bal_acc"))})
+
+    def _loop(self, log: metrics.MetricsLog, bar) -> dict:
+        cfg, rt = self.cfg, self.rt
         net = rt.wrap(self.model)
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                   stop_batch=cfg.max_steps * cfg.optim.accum_steps)
         it = iter(rt.loader(dl, len(cfg.mask.sets)))
         accum = cfg.optim.accum_steps
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
-                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
         first_loss = last_loss = None
+        postfix: dict = {}
+        if cfg.eval_every and self.step == 0 and self.step < cfg.max_steps:
+            self.online_probe(log, postfix)  # the random-init floor of every probe curve
+            bar.set_postfix(postfix, refresh=False)
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         while self.step < cfg.max_steps:
             set_scalar(self.lr, schedule.learning_rate(self.step, cfg.max_steps, cfg.optim))
@@ -248,29 +324,33 @@ class Trainer:
                 dt = now - t_last
                 rec = {
                     "step": self.step, "epoch": self.consumed // sampler.batches_per_epoch,
-                    "loss": float(rt.all_mean(loss)), "lr": float(self.lr), "grad_norm": float(gnorm),
+                    "loss": float(loss), "lr": float(self.lr), "grad_norm": float(gnorm),
                     "ema_momentum": float(self.momentum), "samples_per_s": samples / dt,
                     "tokens_per_s": samples * self.grid.tokens / dt, "data_wait_frac": min(1.0, wait / dt),
                     "target_std": metrics.feature_std(targets),
                     "rankme": metrics.rankme(targets, cfg.rankme_tokens), "skipped_updates": int(self.skipped),
+                    "consecutive_skips": int(self.skip_run),
                 }
                 if rt.kind == "xla":
                     rec.update(xla_compiles())
                 log.log(rec)
+                self.check_lockout()
                 first_loss = rec["loss"] if first_loss is None else first_loss
                 last_loss = rec["loss"]
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", rankme=f"{rec['rankme']:.1f}", refresh=False)
+                postfix.update(loss=f"{rec['loss']:.4f}", rankme=f"{rec['rankme']:.1f}")
+                bar.set_postfix(postfix, refresh=False)
                 t_last, wait, samples = time.perf_counter(), 0.0, 0
             if cfg.val_every and self.step % cfg.val_every == 0:
                 v = self.validate()
                 if v:
                     log.log(v, prefix="val")
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.online_probe(log, postfix)
+                bar.set_postfix(postfix, refresh=False)
             if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
                 log.log_checkpoint(self.save(), self.step)
-            if self.step % cfg.ckpt_every == 0 or (cfg.val_every and self.step % cfg.val_every == 0):
+            if any(every and self.step % every == 0 for every in (cfg.ckpt_every, cfg.val_every, cfg.eval_every)):
                 t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
-        bar.close()
-        log.close()
         return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
                 "skipped_updates": int(self.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
 

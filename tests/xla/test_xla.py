@@ -19,27 +19,32 @@ if os.environ.get("OCTFM_REQUIRE_XLA"):
 else:
     pytest.importorskip("torch_xla")
 
-from conftest import REPO, tiny_train_args  # noqa: E402
+from conftest import REPO, guard_driver, same_optimizer, same_weights, tiny_train_args  # noqa: E402
 from train import checkpoint  # noqa: E402
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
 
-def run_train(args, devices: int = 1, device: str = "xla", tmp_cache=None, timeout=900):
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": "1"}
+def xla_env(devices: int = 1, tmp_cache=None) -> dict:
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": "1"}
     if tmp_cache:
         env["OCTFM_XLA_CACHE"] = str(tmp_cache)
+    return env
+
+
+def run_train(args, devices: int = 1, device: str = "xla", tmp_cache=None, timeout=900, status: int = 0):
+    env = {**os.environ, **xla_env(devices, tmp_cache)}
     r = subprocess.run([sys.executable, "-m", "train.pretrain", "--config", SMOKE, "--no-progress",
                         f"device={device}", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    assert r.returncode == status, (r.stdout + r.stderr)[-5000:]
     return r
 
 
-def records(run_dir):
+def records(run_dir, split: str = "train"):
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec["split"] == "train":
+        if rec["split"] == split:
             out[rec["step"]] = rec
     return out
 
@@ -56,9 +61,12 @@ def assert_compiles_settle(rec: dict, stderr: str, after: int) -> None:
         f"XLA kept compiling after step {after}: {counts}\ncompile causes:\n{compile_causes(stderr)}")
 
 
-def test_compiles_once_across_logging_checkpoints_and_ema(tiny_cache, tmp_path):
+def test_compiles_once_across_logging_checkpoints_ema_and_the_online_probe(tiny_cache, tmp_path):
+    """The online probe (step 0 and every 5 steps) compiles its own graph once and adds no
+    recompilation of the training step."""
     args = tiny_train_args(tiny_cache, tmp_path / "runs", name="x", max_steps=14, log_every=1, ckpt_every=3,
-                           **{"optim.ema": "[0.99,1.0]", "optim.start_lr": 0.0})
+                           eval_every=5, **{"optim.ema": "[0.99,1.0]", "optim.start_lr": 0.0,
+                                            "online_probe.batch_size": 4})
     r = run_train(args, tmp_cache=tmp_path / "xc")
     rec = records(tmp_path / "runs" / "x")
     assert sorted(rec) == list(range(1, 15))
@@ -66,6 +74,34 @@ def test_compiles_once_across_logging_checkpoints_and_ema(tiny_cache, tmp_path):
     assert_compiles_settle(rec, r.stderr, after=4)
     assert rec[14]["xla_compiles"] <= 12, rec[14]
     assert all(x["loss"] is not None for x in rec.values())
+    probe = records(tmp_path / "runs" / "x", split="probe")
+    assert sorted(probe) == [0, 5, 10] and all(p["diabetic/knn_bal_acc"] is not None for p in probe.values())
+
+
+@pytest.mark.timeout(1500)  # 8 steps in eager XLA plus their compiles: minutes on a loaded 2-core machine
+def test_skipped_update_is_exact_and_adds_no_compilation(tiny_cache, tmp_path):
+    """A loss spike (step 5) and a NaN loss (step 7) leave weights, EMA target and AdamW state
+    (moments and step count) bit-identical, in the same compiled graph as accepted steps."""
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", **{"device": "xla"})
+    (rec,) = guard_driver(tmp_path / "out", steps=8, spikes={5: "1e4", 7: "nan"}, overrides=args,
+                          env=xla_env(tmp_cache=tmp_path / "xc"))
+    assert rec["skipped"] == [0, 0, 0, 0, 1, 1, 2, 2]
+    st = rec["states"]
+    for skipped in (4, 6):  # 0-based: the states after steps 5 and 7
+        assert same_weights(st[skipped - 1], st[skipped]) and same_optimizer(st[skipped - 1], st[skipped])
+    assert not same_weights(st[6], st[7]) and not same_optimizer(st[6], st[7])  # accepted steps still move
+    steps = {int(s["step"]) for s in st[7]["optimizer"]["state"].values()}
+    assert steps == {6}, steps  # 8 updates, 2 skipped
+    assert len(set(rec["compiles"][3:])) == 1, rec["compiles"]
+
+
+def test_update_guard_lockout_on_xla(tiny_cache, tmp_path):
+    args = tiny_train_args(tiny_cache, tmp_path, name="lock", max_steps=20, ckpt_every=2,
+                           **{"optim.spike_factor": 1e-6, "optim.max_consecutive_skips": 3})
+    r = run_train(args, tmp_cache=tmp_path / "xc", status=1)
+    newest = tmp_path / "lock" / "checkpoints" / "step_0000002.pt"
+    assert "up to step 4 were all skipped" in r.stderr and str(newest) in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
 
 
 def test_spmd_on_four_devices_matches_one_device(tiny_cache, tmp_path):

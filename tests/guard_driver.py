@@ -1,0 +1,52 @@
+"""Drive Trainer.update step by step and inject loss spikes through the trainer's public
+`loss_scale` hook on one process; used by the update-guard tests on DDP (under torchrun)
+and on XLA. Writes <out>/rank<r>.pt: the state (model, target, optimizer) after every step,
+each step's skip count, and on XLA the compile count after every step.
+
+    python tests/guard_driver.py --out DIR --steps 6 --spike 3:1e4 --spike-rank 1 -- key=value ...
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import torch
+
+from octfm import config
+from train import pretrain, runtime
+from train.config import TrainConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--spike", action="append", default=[], help="STEP:LOSS_SCALE (1-based step), repeatable")
+    ap.add_argument("--spike-rank", type=int, default=0)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    spikes = {int(s.split(":")[0]): float(s.split(":")[1]) for s in a.spike}
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", a.overrides)
+    rt = runtime.setup(cfg.device, cfg.precision)
+    tr = pretrain.Trainer(cfg, rt)
+    net = rt.wrap(tr.model)
+    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=cfg.seed, stop_batch=a.steps)
+    it = iter(rt.loader(dl, len(cfg.mask.sets)))
+    states, skipped, compiles = [], [], []
+    for step in range(1, a.steps + 1):
+        pretrain.set_scalar(tr.loss_scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)
+        tr.update([rt.to_device(next(it))], net)
+        rt.sync()
+        st = tr.state()
+        states.append(copy.deepcopy({k: st[k] for k in ("model", "target", "optimizer")}))  # CPU tensors alias
+        skipped.append(int(st["skipped_updates"]))
+        if rt.kind == "xla":
+            compiles.append(pretrain.xla_compiles()["xla_compiles"])
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    torch.save({"states": states, "skipped": skipped, "compiles": compiles}, Path(a.out) / f"rank{rt.rank}.pt")
+    rt.shutdown()
+
+
+if __name__ == "__main__":
+    main()

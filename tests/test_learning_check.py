@@ -1,0 +1,50 @@
+"""`make learning-check` end to end on a tiny generated cohort with a few pretraining steps:
+the report is produced, both tasks carry a paired difference with its interval, and a re-run
+does only what is left."""
+import json
+import re
+
+from conftest import run_cli, tiny_train_args
+
+PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
+
+
+def test_learning_check_end_to_end_and_resumes(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
+             if not a.startswith(("name=", "runs_dir=", "data.cache="))]
+    train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
+    args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", *PROBE, *train]
+    r = run_cli("evals.learning_check", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    verdict = r.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("learning-check: ") and "pretrained - random-init" in verdict
+    res = json.loads((out / "result.json").read_text())
+    assert res["verdict"] == verdict and res["step"] == 4
+    for task, classes in (("diabetic", 2), ("study_group", 4)):
+        t = res["tasks"][task]
+        assert t["classes"] == classes and t["test_participants"] >= 2
+        assert set(t["comparisons"]) == {"linear", "attentive", "chosen_on_val"}
+        for c in t["comparisons"].values():
+            lo, hi = c["difference_ci95"]
+            assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
+            assert lo <= hi and c["participants"] == t["test_participants"]
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "probe"}
+    assert res["training"]["steps"] == 4
+    assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
+    assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
+    for name in ("result.md", "result.png"):
+        assert (out / name).stat().st_size > 0
+    assert "## diabetic" in (out / "result.md").read_text()
+    line = run_cli("evals.learning_check", "--line", res["run"])    # the demo's last line, from the probe reports
+    assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
+    assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
+
+    again = run_cli("evals.learning_check", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "cohort in" in again.stdout and "reused" in again.stdout
+    assert "nothing to do" in again.stdout                       # the run is at max_steps already
+    assert re.search(r"cache: \d+ rows in shard 0/1: \d+ reused, 0 processed", again.stdout)
+    res2 = json.loads((out / "result.json").read_text())
+    assert res2["features_reused"] == {"pretrained": True, "random_init": True}
+    assert res2["tasks"] == res["tasks"]
