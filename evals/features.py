@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from octfm import config, fsio
 from train import checkpoint, encode
 from train.config import TrainConfig
-from train.encoder import center_crop
 from train.model import Encoder
 
 FEATURE_VERSION = "1"

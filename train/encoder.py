@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from octfm import config as typed
-from train import data
+from train import data, encode
 from train.config import ModelConfig
 from train.model import Encoder
 
@@ -34,18 +34,6 @@ ARCH_KEYS = ("tubelet", "dim", "depth", "heads", "mlp_ratio")  # the encoder's p
 class Embeddings(NamedTuple):
     pooled: torch.Tensor   # [B, dim] float32
     tokens: torch.Tensor   # [B, N, dim] float32, N = prod(grid)
-
-
-def center_crop(vol, shape):
-    """The central `shape` of the last len(shape) axes (numpy arrays and tensors alike)."""
-    lead = vol.ndim - len(shape)
-    starts = [(n - s) // 2 for n, s in zip(vol.shape[lead:], shape)]
-    return vol[(Ellipsis, *(slice(a, a + s) for a, s in zip(starts, shape)))]
-
-
-def mean_pool(tokens: torch.Tensor) -> torch.Tensor:
-    """[B, N, dim] -> [B, dim]: the pooled feature the probes' linear head reads."""
-    return tokens.mean(1)
 
 
 class CachedVolumeEncoder(nn.Module):
@@ -68,7 +56,7 @@ class CachedVolumeEncoder(nn.Module):
             raise TypeError(f"expected uint8 cached volumes, got {volumes.dtype}")
         x = volumes if volumes.ndim == 5 else volumes.unsqueeze(1)
         s = self.stride
-        x = center_crop(x[..., ::s[0], ::s[1], ::s[2]], self.input_shape)
+        x = encode.center_crop(x[..., ::s[0], ::s[1], ::s[2]], self.input_shape)
         if tuple(x.shape[-3:]) != self.input_shape:
             raise ValueError(f"volumes {tuple(volumes.shape[-3:])} after stride {list(s)} are smaller than the "
                              f"encoder's input {list(self.input_shape)}")
@@ -78,7 +66,7 @@ class CachedVolumeEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, volumes: torch.Tensor) -> Embeddings:
         tokens = self.encoder(self.prepare(volumes)).float()
-        return Embeddings(mean_pool(tokens), tokens)
+        return Embeddings(encode.pool(tokens), tokens)  # the probes' and the online probe's pooling
 
 
 def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
