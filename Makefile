@@ -18,6 +18,7 @@ LOCAL  ?= data/local_cache
 CONFIG ?=
 ARGS   ?=
 SHARD  ?=
+SHARDS ?=
 STRICT ?= 0
 CKPT   ?=
 RUN    ?=
@@ -26,7 +27,7 @@ OUT    ?=
 NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
-shard_flag  = $(if $(SHARD),--shard $(SHARD))
+shard_flag  = $(if $(SHARD),--shard $(SHARD)) $(if $(SHARDS),--shards $(SHARDS))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
@@ -39,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report clean-demo
+.PHONY: help venv demo test test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -56,6 +57,8 @@ help:
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
+	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
+	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
 	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
 
 venv: $(STAMP)
@@ -136,6 +139,16 @@ probe: $(STAMP)
 
 leaderboard: $(STAMP)
 	$(PY) -m evals.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
+
+# A model folder others load with train.encoder.load_encoder (safetensors + config.json + model card).
+export: $(STAMP)
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
+	$(PY) -m evals.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
+
+# One row per cached volume: the manifest's keys and the pooled embedding (resumable).
+embed: $(STAMP)
+	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
+	$(PY) -m evals.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 pretrain: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }

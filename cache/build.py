@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import sys
 import time
-import zlib
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -20,7 +19,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from cache import store
+from cache import shards, store
 from cache.config import CacheConfig
 from cache.worker import SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
 from ingest import preprocess as prep
@@ -30,23 +29,6 @@ from octfm import cli, config, fsio
 
 # the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
 OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "decoder")
-
-
-def parse_shard(text: str | None) -> tuple[int, int]:
-    if not text:
-        return 0, 1
-    try:
-        i, n = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise cli.UsageError(f"SHARD={text!r}: expected i/N such as 0/4") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise cli.UsageError(f"SHARD={text!r}: need 0 <= i < N")
-    return i, n
-
-
-def in_shard(relpath: str, shard: tuple[int, int]) -> bool:
-    """Deterministic and stable when files are added: a hash of the path, not its rank."""
-    return zlib.crc32(relpath.encode()) % shard[1] == shard[0]
 
 
 def cache_key(row: dict, cfg: CacheConfig) -> str:
@@ -94,7 +76,7 @@ def previous_rows(cache_root: str, shard: tuple[int, int]) -> dict[str, dict]:
 
 
 def existing_arrays(cache_root: str) -> set[str]:
-    """Volume paths (relative) that have array metadata, from one listing."""
+    """Volume paths (relative) whose OME-Zarr group metadata exists, from one listing."""
     fs, base = fsio.filesystem(layout.volumes_uri(cache_root))
     if not fs.exists(base):
         return set()
@@ -300,7 +282,10 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
     fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run
-    rows = [r for r in load_sources(source, cache_root) if in_shard(r["relpath"], shard)]
+    sources = load_sources(source, cache_root)
+    rows = shards.select(sources, shard)
+    if shard[1] > 1:
+        print(f"cache: shard {shard[0]}/{shard[1]}: {shards.balance_line(sources, shard)}")
     done, todo = plan(rows, cfg, cache_root, shard)
     reused = sum(1 for r in done if r.pop("reused", False))
     tidy_manifest_dir(cache_root, shard)
@@ -347,14 +332,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--source", required=True, help="dataset root (local folder or gs://...)")
     ap.add_argument("--cache", required=True, help="cache root (local folder or gs://...)")
     ap.add_argument("--config", default=None, help="YAML (configs/cache.yaml)")
-    ap.add_argument("--shard", default=None, help="i/N: this machine's share")
+    ap.add_argument("--shard", default=None, help="i/N: this machine's share (default: from the scheduler's "
+                    "environment, see cache.shards)")
+    ap.add_argument("--shards", type=int, default=None, help="N, with an index from the environment that comes "
+                    "without a count (a Kubernetes Indexed Job's JOB_COMPLETION_INDEX)")
     ap.add_argument("--strict", action="store_true", help="exit 3 when any row failed")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     cfg = config.load(CacheConfig, args.config, args.overrides)
-    shard = parse_shard(args.shard)
-    rows = build(args.source, args.cache, cfg, shard, progress=not args.no_progress)
+    shard = shards.resolve(args.shard, args.shards)
+    print(f"cache: shard {shard}")
+    rows = build(args.source, args.cache, cfg, (shard.index, shard.count), progress=not args.no_progress)
     return cli.strict_status(sum(r["status"] == "failed" for r in rows), args.strict)
 
 

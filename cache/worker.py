@@ -106,7 +106,8 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
         if not row.get("sop_instance_uid"):  # unlisted files: the header's UID, so duplicates show
             out["sop_instance_uid"] = vol.sop_instance_uid
         out["total_s"] = round(time.perf_counter() - t0, 4)
-        attrs = {k: out.get(k) for k in VOLUME_NAMES} | {"sop_instance_uid": vol.sop_instance_uid}
+        attrs = {k: out.get(k) for k in VOLUME_NAMES} | {"sop_instance_uid": vol.sop_instance_uid,
+                                                          "preprocess": config.to_dict(cfg.preprocess)}
         store.write_volume(cache_root, out["volume"], arr, attrs,
                            cname=cfg.codec, clevel=cfg.clevel, tag=tag)
     except BadInput as exc:

@@ -15,7 +15,7 @@ import numpy as np
 from ingest.dicom import BadInput
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
-CODE_VERSION = "2"  # 2: orientation flips happen before resampling
+CODE_VERSION = "3"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store)
 
 
 @dataclasses.dataclass

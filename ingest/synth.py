@@ -195,6 +195,14 @@ def _functional_group(spacing: tuple[float, float, float]) -> Dataset:
     return fg
 
 
+def tsv_spacing(spec: DeviceSpec) -> dict[str, str]:
+    """manifest.tsv's pixel_spacing and slice_thickness strings, with the non-numeric values
+    real exports carry ("Varies by frame" where spacing is per frame, "Not reported")."""
+    f, r, c = spec.spacing
+    return {"pixel_spacing": "Varies by frame" if spec.per_frame_spacing else f"{r:g}\\{c:g}",
+            "slice_thickness": "Not reported" if spec.compress else f"{f:g}"}
+
+
 def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float, float], *,
                  participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str) -> Dataset:
     """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed."""
@@ -295,7 +303,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
             "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
             "anatomic_region": "macula", "imaging": imaging, "laterality": lat.lower(),
             "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
-            "pixel_spacing": "", "slice_thickness": "", "sop_instance_uid": sop_uid,
+            **tsv_spacing(spec), "sop_instance_uid": sop_uid,
             "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
         })
 

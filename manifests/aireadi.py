@@ -103,7 +103,8 @@ def parse_oct_manifest(text: str, where: str = "retinal_oct/manifest.tsv") -> pd
         df = df.rename(columns={"person_id": "participant_id"})
     _require(df, OCT_COLUMNS, where)
     for col in ("manufacturer", "manufacturers_model_name", "anatomic_region", "imaging", "laterality",
-                "height", "width", "number_of_frames", "sop_instance_uid"):
+                "height", "width", "number_of_frames", "sop_instance_uid", "pixel_spacing", "slice_thickness",
+                "reference_filepath"):
         if col not in df.columns:
             df[col] = ""
     return df

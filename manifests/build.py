@@ -104,6 +104,8 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
             "study_group": None if info is None else _clean(info["study_group"]),
             "label": label,
             "split": None if info is None else _clean(info["split"]),
+            "age": None if info is None else _int_or_none(_clean(info.get("age"))),
+            "study_visit_date": None if info is None else (_clean(info.get("study_visit_date")) or None),
             "relpath": rel if rel is not None else raw_path,
             "source": (listing[rel]["source"] if rel in listing else fsio.join(root, rel)) if rel is not None else None,
         }
@@ -124,6 +126,9 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
             "imaging": r["imaging"] or None,
             "laterality": aireadi.normalize_laterality(r["laterality"]),
             "sop_instance_uid": r["sop_instance_uid"] or None,
+            "pixel_spacing": r["pixel_spacing"] or None,
+            "slice_thickness": r["slice_thickness"] or None,
+            "reference_filepath": r["reference_filepath"] or None,
             "listed": True,
             "tsv_shape": [_int_or_none(r["number_of_frames"]), _int_or_none(r["height"]), _int_or_none(r["width"])],
         })

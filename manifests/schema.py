@@ -5,6 +5,7 @@ parts of a sharded build would not read back as one table.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pandas as pd
@@ -35,8 +36,13 @@ SOURCE_FIELDS = [
     pa.field("expected_sha1", pa.string()),    # from the mirror record, when it has one
     pa.field("expected_md5", pa.string()),
     pa.field("manifest_error", pa.string()),   # why the row cannot be read at all (missing, escape)
+    # kept as AI-READI gives them, for users who filter on them
+    pa.field("age", pa.int16()),                  # participants.tsv (years; null when not a number, e.g. "89+")
+    pa.field("study_visit_date", pa.string()),    # participants.tsv, as written there
+    pa.field("pixel_spacing", pa.string()),       # manifest.tsv's own string ("Varies by frame", "Not reported", ...)
+    pa.field("slice_thickness", pa.string()),     # manifest.tsv's own string
+    pa.field("reference_filepath", pa.string()),  # manifest.tsv: the image this one refers to (e.g. an OCTA's)
 ]
-SOURCES_SCHEMA = pa.schema(SOURCE_FIELDS)
 
 CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("status", pa.string()),           # ok | failed
@@ -58,7 +64,19 @@ CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("cache_key", pa.string()),
     pa.field("code_version", pa.string()),
 ]
-CACHE_SCHEMA = pa.schema(CACHE_FIELDS)
+
+
+def with_nullable_ints(fields: list[pa.Field]) -> pa.Schema:
+    """The schema with pandas metadata that makes every integer column a nullable pandas
+    integer (Int64) on read, so `label` with nulls reads as 0-3 and <NA>, not as float."""
+    cols = [{"name": f.name, "field_name": f.name, "pandas_type": "int64", "numpy_type": "Int64", "metadata": None}
+            for f in fields if pa.types.is_integer(f.type)]
+    meta = {"index_columns": [], "column_indexes": [], "columns": cols, "pandas_version": pd.__version__}
+    return pa.schema(fields, metadata={b"pandas": json.dumps(meta).encode()})
+
+
+SOURCES_SCHEMA = with_nullable_ints(SOURCE_FIELDS)
+CACHE_SCHEMA = with_nullable_ints(CACHE_FIELDS)
 
 TIMING_COLUMNS = ("decode_s", "preprocess_s", "total_s")
 

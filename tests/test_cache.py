@@ -146,10 +146,15 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
 
 def test_shards_write_parts_that_read_back_as_one_table(synth_tree, tmp_path):
     cache = tmp_path / "cache"
-    for i in range(3):
-        r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--shard", f"{i}/3",
-                    "--no-progress", *SMALL)
+    hosts = [(["--shard", "0/3"], {}, "from SHARD=0/3"),                                # explicit
+             ([], {"BATCH_TASK_INDEX": "1", "BATCH_TASK_COUNT": "3"}, "(Cloud Batch)"),  # a scheduler's
+             (["--shards", "3"], {"JOB_COMPLETION_INDEX": "2"}, "(Kubernetes Indexed Job)")]
+    for i, (args, env, origin) in enumerate(hosts):
+        r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), *args, "--no-progress", *SMALL,
+                    env=env)
         assert r.returncode == 0, r.stderr
+        assert f"cache: shard {i}/3 " in r.stdout and origin in r.stdout, r.stdout
+        assert re.search(rf"shard {i}/3: \d+ of \d+ files, [\d.]+ of [\d.]+ GB \(largest shard [\d.]+x the mean", r.stdout)
     parts = sorted((cache / "manifest.parquet").glob("part-*.parquet"))
     assert len(parts) == 3
     df = pd.read_parquet(cache / "manifest.parquet")  # plain pandas over the part directory

@@ -141,3 +141,65 @@ def test_duplicate_uids_across_manifest_parts_fail_when_read_together(tmp_path, 
     assert got["retinal_oct/b/2.dcm"]["status"] == "failed" and got["retinal_oct/b/2.dcm"]["volume"] is None
     assert got["retinal_oct/b/2.dcm"]["error"] == "duplicate SOP instance UID: 1.2.3 is also retinal_oct/a/1.dcm"
     assert "retinal_oct/b/2.dcm repeats retinal_oct/a/1.dcm" in capsys.readouterr().err
+
+
+README_RUNNER = r"""
+import ast, json, sys
+block = sys.stdin.read()
+ns, results = {}, []
+for node in ast.parse(block).body:
+    if isinstance(node, ast.Expr):
+        results.append(eval(compile(ast.Expression(node.value), "<README>", "eval"), ns))
+    else:
+        exec(compile(ast.Module([node], []), "<README>", "exec"), ns)
+counts, failures, joined = results
+df, vol = ns["df"], ns["vol"]
+print(json.dumps({"counts": {f"{d}/{s}": int(n) for (d, s), n in counts.items()},
+                  "failures": failures.error.tolist(), "joined": len(joined), "rows": len(df),
+                  "joined_cols": list(joined.columns), "label": str(df.label.dtype),
+                  "vol": [str(vol.dtype), list(vol.shape)]}))
+"""
+
+
+def readme_pandas_block() -> str:
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\nimport pandas as pd; from cache import store\n") + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def test_the_readme_pandas_lines_run_as_written(synth_tree, tmp_path):
+    """The five lines, verbatim, in a folder laid out as after `make demo`."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import SMALL, run_cli
+
+    (tmp_path / "data" / "demo").mkdir(parents=True)
+    (tmp_path / "data" / "demo" / "gcs").symlink_to(synth_tree, target_is_directory=True)
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(tmp_path / "data" / "cache"),
+                "--no-progress", *SMALL)
+    assert r.returncode == 0, r.stderr
+    block = readme_pandas_block()
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert lines[0].startswith("import") and len(lines[1:]) == 5
+    p = subprocess.run([sys.executable, "-c", README_RUNNER], input=block, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert sum(out["counts"].values()) > 0 and {k.split("/")[1] for k in out["counts"]} <= {"train", "val", "test"}
+    assert out["failures"] and all(": " in e or e for e in out["failures"])  # synth_tree has bad files
+    assert out["joined"] == out["rows"]  # every row's participant is in participants.tsv
+    assert "recommended_split" in out["joined_cols"] and out["label"] == "Int64"
+    assert out["vol"] == ["uint8", [16, 48, 48]]
+
+    df = pd.read_parquet(tmp_path / "data" / "cache" / "manifest.parquet")
+    assert str(df.label.dtype) == "Int64" and str(df.age.dtype) == "Int64" and df.label.isna().any()
+    assert set(df.label.dropna()) <= {0, 1, 2, 3} and df.age.notna().any()
+    assert df.study_visit_date.dropna().str.match(r"\d{4}-\d{2}-\d{2}$").all()
+    assert {"Varies by frame", "Not reported"} <= set(df.pixel_spacing) | set(df.slice_thickness)
+    assert "reference_filepath" in df.columns
+    ok = df[df.status == "ok"]
+    assert ok["shape"].map(lambda s: s.dtype.kind == "i").all() and ok["spacing_mm"].map(lambda s: s.dtype.kind == "f").all()

@@ -5,7 +5,10 @@ import re
 
 import numpy as np
 import pandas as pd
+import zarr
 from conftest import SMALL, gcs_bucket, run_cli, s3_env, upload_tree
+
+from ome_zarr_models.v05.image import Image
 
 from cache import store
 
@@ -45,6 +48,11 @@ def test_mirror_s3_to_gcs_then_cache_from_gs(synth_tree, s3_server, gcs_emulator
     ref = pd.read_parquet(local / "manifest.parquet")
     for vol in ref.volume.dropna():
         np.testing.assert_array_equal(store.read_volume(cache, vol), store.read_volume(str(local), vol))
+    # OME-Zarr on the emulator too: an independent reader validates a volume and reads its bytes
+    vol = ref.volume.dropna().iloc[0]
+    group = zarr.open_group(store=store._store(f"{cache}/{vol}", True), mode="r")
+    (path,) = Image.from_zarr(group).ome_attributes.get_array_paths()
+    assert group[path][...].tobytes() == store.read_volume(str(local), vol).tobytes()
 
     r = run_cli("cache.build", "--source", "gs://mirror-bucket/dataset", "--cache", cache, "--no-progress", *SMALL)
     assert r.returncode == 0 and re.search(rf"\b{(df.status == 'ok').sum()} reused", r.stdout), r.stdout

@@ -20,12 +20,13 @@ from train.config import DataConfig, MaskConfig
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
 
 
-def normalize(x_u8: torch.Tensor, aug: torch.Tensor) -> torch.Tensor:
+def normalize(x_u8: torch.Tensor, aug: torch.Tensor, mean: float = PIXEL_MEAN, std: float = PIXEL_STD) -> torch.Tensor:
     """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter (shared by
-    the trainer and the probes' feature extraction)."""
+    the trainer, the probes' feature extraction and exported encoders, which pass the mean
+    and std their config.json records)."""
     x = x_u8.float().div_(255.0)
     x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
-    return (x - PIXEL_MEAN) / PIXEL_STD
+    return (x - mean) / std
 
 
 def select_rows(cache: str, splits, devices) -> list[dict]:

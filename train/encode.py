@@ -13,9 +13,11 @@ from train import data
 from train.model import Encoder
 
 
-def center_crop(vol: np.ndarray, shape) -> np.ndarray:
-    starts = [(n - s) // 2 for n, s in zip(vol.shape, shape)]
-    return vol[tuple(slice(a, a + s) for a, s in zip(starts, shape))]
+def center_crop(vol, shape):
+    """The central `shape` of the last len(shape) axes (numpy arrays and tensors, batched or not)."""
+    lead = vol.ndim - len(shape)
+    starts = [(n - s) // 2 for n, s in zip(vol.shape[lead:], shape)]
+    return vol[(Ellipsis, *(slice(a, a + s) for a, s in zip(starts, shape)))]
 
 
 def volume_batches(cache: str, rows: list[dict], stride, shape, batch: int, pad: bool = False

@@ -1,7 +1,7 @@
 """The run folder (runs/<name>): the one owner of its file names (docs/architecture.md,
 "On-disk contracts"). `make pretrain` writes config.yaml, metrics.jsonl, curves.png and
 checkpoints/; `make probe` and `make leaderboard` write probe/, leaderboard.* and
-best_checkpoint.json; `make report` writes report.html."""
+best_checkpoint.json; `make embed` writes embeddings.parquet; `make report` writes report.html."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +17,7 @@ CHECKPOINTS = "checkpoints"
 PROBE = "probe"
 BEST = "best_checkpoint.json"
 REPORT = "report.html"
+EMBEDDINGS = "embeddings.parquet"    # `make embed`: one row per cached volume, its pooled embedding
 LEADERBOARD = "leaderboard"          # leaderboard.parquet, .md, .png; probe/leaderboard/step_<N>.json
 
 
@@ -33,6 +34,7 @@ class RunFolder:
     features = property(lambda self: self.root / PROBE / "features")
     best_checkpoint = property(lambda self: self.root / BEST)
     report = property(lambda self: self.root / REPORT)
+    embeddings = property(lambda self: self.root / EMBEDDINGS)
     stored_results_dir = property(lambda self: self.root / PROBE / LEADERBOARD)
 
     def checkpoints(self) -> str:

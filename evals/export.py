@@ -1,0 +1,154 @@
+"""`make export CKPT=... OUT=...`: a training checkpoint -> a model folder others can load.
+
+The folder holds the EMA target encoder (the one V-JEPA evaluates and the probes use) as
+`model.safetensors`, a `config.json` that rebuilds it with `train.encoder.load_encoder`
+(architecture, input shape and stride, tubelet, intensity normalisation, the preprocessing
+of the cache it was trained on, code versions), and a model card `README.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from collections import Counter
+from importlib import metadata
+from pathlib import Path
+from typing import Sequence
+
+from cache import store
+from evals import features
+from ingest import preprocess as prep
+from manifests import layout
+from octfm import cli, config, fsio
+from train import data, encoder
+from train.config import TrainConfig
+from train.run_folder import RunFolder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def code_version() -> dict:
+    """The package version, the git commit when run from a clone, and the cache code version."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"octfm": metadata.version("octfm"), "git": commit, "cache_code_version": prep.CODE_VERSION}
+
+
+def cache_provenance(cache: str, cfg: TrainConfig) -> dict:
+    """What the encoder was trained on: the cache's code version, stored shape and preprocessing
+    parameters (from a volume's attributes), and the training volumes per device."""
+    try:
+        rows = layout.read_manifest_table(cache).to_pylist()
+    except (FileNotFoundError, OSError) as exc:
+        print(f"export: warning: cannot read the cache manifest under {cache} ({exc}); config.json records no "
+              "preprocessing parameters", flush=True)
+        return {"uri": cache, "readable": False}
+    ok = [r for r in rows if r["status"] == "ok"]
+    trained = [r for r in ok if r["split"] in cfg.data.splits and (cfg.data.devices is None or r["device"] in cfg.data.devices)]
+    attrs = store.read_attrs(cache, ok[0]["volume"]) if ok else None
+    return {
+        "uri": cache, "readable": True,
+        "code_version": sorted({r["code_version"] for r in ok}),
+        "stored_shape": sorted({tuple(r["shape"]) for r in ok})[0] if ok else None,
+        "preprocess": (attrs or {}).get("preprocess"),
+        "training_volumes": dict(sorted(Counter(r["device"] for r in trained).items())),
+    }
+
+
+def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) -> dict:
+    """config.json: everything load_encoder needs, and where the weights came from."""
+    model = config.to_dict(cfg.model)
+    return {
+        "format": encoder.FORMAT, "format_version": encoder.FORMAT_VERSION,
+        "architecture": {"type": "vit3d", **{k: model[k] for k in encoder.ARCH_KEYS},
+                         "positions": "fixed 3D sin-cos", "attention": "PyTorch SDPA", "final_norm": "LayerNorm"},
+        "input": {"dtype": "uint8", "layout": "B, D, H, W (cached volumes)", "stride": list(cfg.data.stride),
+                  "crop": "centre", "input_shape": list(cfg.data.input_shape), "grid": list(grid)},
+        "normalization": {"formula": "(x / 255 - mean) / std", "mean": data.PIXEL_MEAN, "std": data.PIXEL_STD},
+        "pooling": "mean over tokens",
+        "cache": cache,
+        "training": {"run": cfg.name, "step": step, "checkpoint": ckpt, "max_steps": cfg.max_steps,
+                     "batch_size": cfg.batch_size, "splits": cfg.data.splits, "devices": cfg.data.devices},
+        "code": code_version(),
+    }
+
+
+def probe_results(cfg: TrainConfig, step: int) -> tuple[str, dict[str, dict]]:
+    """Probe results for this step: the leaderboard's record of it, else the run's last `make
+    probe` (which names no step). Returns (where they came from, {task: result})."""
+    run = RunFolder(Path(cfg.runs_dir) / cfg.name)
+    board = run.stored_result(step)
+    if board.exists():
+        return f"{board} (this step)", json.loads(board.read_text())["result"]["results"]
+    found = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.probe.glob("*/metrics.json"))}
+    return (f"{run.probe}/<task>/metrics.json (the run's last `make probe`)", found) if found else ("", {})
+
+
+def model_card(conf: dict, probes: tuple[str, dict]) -> str:
+    t, a, c = conf["training"], conf["architecture"], conf["cache"]
+    vols = c.get("training_volumes") or {}
+    lines = [
+        f"# {t['run']}: a V-JEPA 3D ViT encoder for retinal OCT (octfm)", "",
+        "```python", "from train.encoder import load_encoder", "enc = load_encoder('<this folder>')",
+        "out = enc(volumes)  # uint8 [B, D, H, W] cached volumes -> out.pooled [B, dim], out.tokens [B, N, dim]", "```",
+        "",
+        f"- Weights: the EMA target encoder at step {t['step']} of {t['max_steps']} (batch {t['batch_size']} per "
+        f"process), from `{t['checkpoint']}`.",
+        f"- Architecture: ViT, dim {a['dim']}, depth {a['depth']}, {a['heads']} heads, tubelet {a['tubelet']}, "
+        f"input {conf['input']['input_shape']} (stride {conf['input']['stride']}, centre crop), "
+        f"token grid {conf['input']['grid']}.",
+        f"- Data: the cache `{c['uri']}` (code version {c.get('code_version')}, stored shape {c.get('stored_shape')}), "
+        f"splits {t['splits']}, devices {t['devices'] or 'all'}; training volumes per device: "
+        f"{', '.join(f'{d} {n}' for d, n in vols.items()) or 'unknown'}.",
+        f"- Intensities: {conf['normalization']['formula']} with mean {conf['normalization']['mean']}, std "
+        f"{conf['normalization']['std']}; the cache's preprocessing is in config.json (`cache.preprocess`).",
+        f"- Code: octfm {conf['code']['octfm']}, commit {conf['code']['git']}.", "",
+        "## Probe results (frozen encoder, diabetes status)", "",
+    ]
+    where, results = probes
+    if not results:
+        return "\n".join(lines + ["No probe results were found for this run (`make probe`, `make leaderboard`).", ""])
+    lines += [f"From {where}.", "", "| task | encoder | head | test balanced accuracy | test AUROC |", "|---|---|---|---|---|"]
+    for task, res in results.items():
+        for p in res["probes"]:
+            m = p["test"]
+            lines.append(f"| {task} | {p['encoder']} | {p['head']} | {m['balanced_accuracy']:.3f} | "
+                         f"{m.get('auroc_macro_ovr', float('nan')):.3f} |")
+    return "\n".join(lines + [""])
+
+
+def export(ckpt: str, out: str, cache: str | None = None) -> dict:
+    """Write the model folder `out` (local or gs://); each file atomically. Returns config.json."""
+    from safetensors.torch import save
+
+    enc, cfg, ident = features.load_encoder(ckpt)
+    conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
+    weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
+    fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)
+    fsio.atomic_write_bytes(fsio.join(out, encoder.CONFIG_FILE), json.dumps(conf, indent=2).encode())
+    fsio.atomic_write_bytes(fsio.join(out, "README.md"), model_card(conf, probe_results(cfg, ident["step"])).encode())
+    return conf
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make export", description=__doc__)
+    ap.add_argument("--ckpt", required=True, help="a training checkpoint (local or gs://)")
+    ap.add_argument("--out", required=True, help="the model folder to write")
+    ap.add_argument("--cache", default=None, help="the cache it was trained on (default: the checkpoint's data.cache)")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    conf = export(a.ckpt, a.out, a.cache)
+    arch = conf["architecture"]
+    print(f"export: {a.ckpt} (step {conf['training']['step']}) -> {a.out}: {encoder.WEIGHTS_FILE} (dim {arch['dim']}, "
+          f"depth {arch['depth']}, grid {conf['input']['grid']}), {encoder.CONFIG_FILE}, README.md in "
+          f"{time.perf_counter() - t0:.1f}s. Load it with: from train.encoder import load_encoder; "
+          f"load_encoder({a.out!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,91 @@
+"""`make embed`: a pandas table with one row per cached volume and its pooled embedding;
+reuses the probes' features, and a killed run resumes from the chunks it wrote."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from conftest import REPO, run_cli
+from cache import store
+from evals import features
+from train import data, encoder
+
+KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label"]
+
+
+def probed_checkpoint(run) -> str:
+    """The checkpoint as `make probe run=<run>` named it (its features are keyed by the name)."""
+    return str(run / "checkpoints" / "step_0000004.pt")
+
+
+def expected_embeddings(ckpt: str, cache, rows) -> np.ndarray:
+    enc, cfg, _ = features.load_encoder(ckpt)
+    model = encoder.wrap(enc, cfg.data.stride, cfg.data.input_shape)
+    x = torch.from_numpy(np.stack([store.read_volume(str(cache), r["volume"]) for r in rows]))
+    return model(x).pooled.numpy()
+
+
+def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, tiny_cache, tmp_path):
+    ckpt = probed_checkpoint(tiny_run)
+    out = tmp_path / "embeddings.parquet"
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--chunk", "7", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(out)
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
+    assert len(df) == len(rows) and list(df.relpath) == [r["relpath"] for r in rows]
+    assert f"{len(rows)} from the probes' features" in r.stdout, r.stdout  # tiny_run was probed; all labelled
+    assert set(KEYS) <= set(df.columns) and df.label.notna().all() and str(df.label.dtype) == "Int64"
+    emb = np.stack(df.embedding.to_numpy())
+    assert emb.shape == (len(rows), 32) and emb.dtype == np.float32
+    np.testing.assert_allclose(emb[:4], expected_embeddings(ckpt, tiny_cache, rows[:4]), atol=1e-5, rtol=0)
+    print(df[KEYS + ["embedding"]].head())
+
+    again = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    assert again.returncode == 0 and f"0 embedded, 0 from the probes' features, {len(rows)} already done" in again.stdout
+
+
+def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    ckpt = str(tiny_run / "checkpoints" / "step_0000002.pt")  # not probed: every volume is embedded
+    rows = data.select_rows(str(cache), ["train", "val", "test"], None)
+    # a volume whose chunk is a FIFO: reading it blocks, so the run is stuck there until killed
+    chunk = next((cache / rows[5]["volume"] / "0" / "c").rglob("*"))
+    while chunk.is_dir():
+        chunk = next(chunk.iterdir())
+    saved = chunk.read_bytes()
+    chunk.unlink()
+    os.mkfifo(chunk)
+    out = tmp_path / "emb.parquet"
+    args = [sys.executable, "-m", "evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out),
+            "--chunk", "2", "--batch", "1", "--no-progress"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    parts = tmp_path / "emb.parquet.parts"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(parts.glob("chunk-*.parquet"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the run was expected to block on the FIFO volume"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert len(list(parts.glob("chunk-*.parquet"))) == 2 and not out.exists()  # rows 0-3 written, row 5 blocked
+
+    chunk.unlink()
+    chunk.write_bytes(saved)
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert f"{len(rows) - 4} embedded, 0 from the probes' features, 4 already done" in r.stdout, r.stdout
+    assert not parts.exists()
+    df = pd.read_parquet(out)
+    assert list(df.relpath) == [r["relpath"] for r in rows]
+    np.testing.assert_allclose(np.stack(df.embedding.to_numpy()), expected_embeddings(ckpt, cache, rows),
+                               atol=1e-5, rtol=0)

@@ -1,0 +1,76 @@
+"""`make export`: a model folder that loads in a fresh process without pickle and embeds
+cached volumes exactly as the checkpoint does in the probes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from conftest import REPO, run_cli
+from evals import features
+from train import data
+
+# A fresh interpreter in which any unpickling fails: loading must get by with JSON and safetensors.
+LOAD_WITHOUT_PICKLE = r"""
+import pickle, sys
+import numpy as np, torch
+def refused(*a, **k):
+    raise AssertionError("pickle used while loading an exported encoder")
+pickle.loads = pickle.load = torch.load = refused
+class NoUnpickler:
+    def __init__(self, *a, **k):
+        refused()
+pickle.Unpickler = NoUnpickler
+from train.encoder import load_encoder
+enc = load_encoder(sys.argv[1])
+assert isinstance(enc, torch.nn.Module) and not enc.training
+x = torch.from_numpy(np.load(sys.argv[2]))
+out = enc(x)
+np.savez(sys.argv[3], pooled=out.pooled.numpy(), tokens=out.tokens.numpy())
+"""
+
+
+def test_export_loads_in_a_fresh_process_and_embeds_like_the_checkpoint(tiny_run, tiny_cache, tmp_path):
+    ckpt = tiny_run / "checkpoints" / "step_0000004.pt"
+    out = tmp_path / "model"
+    r = run_cli("evals.export", "--ckpt", str(ckpt), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "export:" in r.stdout and "load_encoder" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architecture"]["dim"] == 32 and conf["architecture"]["tubelet"] == [4, 16, 16]
+    assert conf["input"]["input_shape"] == [16, 48, 48] and conf["input"]["grid"] == [4, 3, 3]
+    assert conf["normalization"] == {"formula": "(x / 255 - mean) / std", "mean": data.PIXEL_MEAN, "std": data.PIXEL_STD}
+    assert conf["training"]["step"] == 4
+    assert conf["cache"]["stored_shape"] == [16, 64, 64]
+    assert conf["cache"]["preprocess"]["target_shape"] == [16, 64, 64]
+    assert conf["cache"]["preprocess"]["percentiles"] == [1.0, 99.0]
+    card = (out / "README.md").read_text()
+    assert "step 4 of 4" in card and "| study_group | pretrained | linear |" in card  # tiny_run was probed
+
+    # the probes' features of the same volumes, from the checkpoint
+    enc, cfg, _ = features.load_encoder(str(ckpt))
+    rows = [r for r in data.select_rows(str(tiny_cache), ["train", "val", "test"], None)][:3]
+    ref = features.extract(enc, cfg, rows, str(tiny_cache), (1, 1, 1))
+    from cache import store
+
+    vols = np.stack([store.read_volume(str(tiny_cache), r["volume"]) for r in rows])
+    np.save(tmp_path / "x.npy", vols)
+    p = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PICKLE, str(out), str(tmp_path / "x.npy"),
+                        str(tmp_path / "emb.npz")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = np.load(tmp_path / "emb.npz")
+    assert got["pooled"].shape == (3, 32) and got["tokens"].shape == (3, 36, 32)
+    np.testing.assert_allclose(got["pooled"], ref["pooled"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got["tokens"], ref["tokens"].astype(np.float32), rtol=0, atol=2e-3)  # stored as fp16
+    with torch.no_grad():
+        assert not torch.equal(torch.from_numpy(got["pooled"][0]), torch.from_numpy(got["pooled"][1]))
+
+
+def test_make_export_without_ckpt_is_a_usage_error():
+    r = subprocess.run(["make", "-s", "export"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "set CKPT=" in r.stderr
