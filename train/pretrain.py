@@ -44,6 +44,25 @@ def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tens
     return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas), **kw)
 
 
+OPTIMIZER_FLAGS = ("capturable", "foreach", "fused")  # chosen per backend by build_optimizer
+
+
+def load_optimizer(opt: torch.optim.Optimizer, state: dict, lr: torch.Tensor) -> None:
+    """Load an optimizer state saved on any backend. load_state_dict takes each group's flags
+    from the file (an XLA checkpoint says capturable, which the CPU refuses), so this backend's
+    flags are put back, a capturable optimizer gets its step counts on the parameters' device,
+    and every group keeps the shared device lr tensor (load_state_dict replaced it)."""
+    flags = {k: opt.defaults[k] for k in OPTIMIZER_FLAGS if k in opt.defaults}
+    opt.load_state_dict(state)
+    for g in opt.param_groups:
+        g.update(flags, lr=lr)
+        if flags.get("capturable") or flags.get("fused"):
+            for p in g["params"]:
+                st = opt.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+
+
 def set_scalar(t: torch.Tensor, value: float) -> None:
     """Write a host value into a device tensor as data, never as a graph constant. torch_xla
     bakes the scalars 0 and 1 into graphs, 0-dim host tensors included (a momentum reaching 1
@@ -160,9 +179,7 @@ class Trainer:
             uri, st = found
         self.model.load_state_dict(st["model"])
         self.target.load_state_dict(st["target"])
-        self.opt.load_state_dict(st["optimizer"])
-        for g in self.opt.param_groups:  # keep the shared device tensor (load_state_dict replaced it)
-            g["lr"] = self.lr
+        load_optimizer(self.opt, st["optimizer"], self.lr)
         self.step, self.consumed = int(st["step"]), int(st["consumed_batches"])
         self.loss_mean.copy_(st["loss_mean"])
         self.skipped.copy_(st["skipped_updates"])
