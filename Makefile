@@ -40,12 +40,13 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
 	@echo "make demo ZIPPED=1   the same with the DICOMs in per-device ZIP archives, read in place"
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
+	@echo "make test-heavy      the heavy lane: kill -9 faults, a store going away, thousands of volumes"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
 	@echo "make learning-check  [SOURCE=<labelled dataset root>] [ARGS='max_steps=3000']: pretrained vs random-init encoder"
@@ -89,7 +90,11 @@ demo: $(STAMP)
 	@$(PY) -m evals.learning_check --line runs/pretrain_smoke
 
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q --ignore=tests/xla
+	$(PY) -m pytest -q --ignore=tests/xla -m "not slow"
+
+# The heavy lane: kill -9 and store-outage fault tests and the thousands-of-volumes load test (CI runs it).
+test-heavy: $(STAMP) test-deps
+	$(PY) -m pytest -q --ignore=tests/xla -m slow
 
 # Debian's chromium renders `make report` pages in the tests (headless); installed when missing (root).
 test-deps:

@@ -120,6 +120,7 @@ def test_spectralis_octa_is_flipped_to_common_orientation(tmp_path):
     np.testing.assert_array_equal(outs["OCT"][1], outs["OCTA"][1])
 
 
+@pytest.mark.slow
 def test_killed_build_resumes_to_the_same_result(tmp_path):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=16, scale=4, seed=2))

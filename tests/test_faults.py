@@ -31,6 +31,7 @@ from train import checkpoint
 SMOKE = "configs/pretrain_smoke.yaml"
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_save_resumes_from_the_last_good_one(tiny_cache, tmp_path):
     """kill -9 when the step-8 checkpoint's bytes are down in its temp file but not renamed
     (a checkpoint torn after the rename is the next test)."""
@@ -55,6 +56,7 @@ def test_kill_during_checkpoint_save_resumes_from_the_last_good_one(tiny_cache, 
     assert a["step"] == b["step"] == 12 and same_weights(a, b)
 
 
+@pytest.mark.slow
 def test_a_cut_short_checkpoint_is_skipped_for_the_one_before(tiny_cache, tmp_path):
     args = tiny_train_args(tiny_cache, tmp_path, name="c", max_steps=8, ckpt_every=4)
     assert run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args).returncode == 0
@@ -100,6 +102,7 @@ def _upload(fs, root: Path, prefix: str) -> None:
             fs.pipe_file(f"{prefix}/{p.relative_to(root).as_posix()}", p.read_bytes())
 
 
+@pytest.mark.slow
 def test_object_store_going_away_mid_build_stops_cleanly_and_loses_nothing(tmp_path, restartable_gcs):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=7, bad_files=False))

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import psutil
 
 from conftest import REPO
@@ -39,6 +40,7 @@ def _run_watching_memory(cmd: list[str], log: Path, timeout: float = 600) -> tup
     return proc.returncode, peak_driver, peak_child
 
 
+@pytest.mark.slow
 def test_thousands_of_volumes_build_in_bounded_memory(tmp_path):
     sizes = {}
     for name, participants in (("small", 100), ("large", 900)):
