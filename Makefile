@@ -92,7 +92,7 @@ demo: $(STAMP)
 test: $(STAMP) test-deps
 	$(PY) -m pytest -q --ignore=tests/xla -m "not slow"
 
-# The heavy lane: kill -9 and store-outage fault tests and the thousands-of-volumes load test (CI runs it).
+# The heavy lane (tests marked slow): kill -9 of builds, workers and training, store outages, a full disk, gs:// checkpoints, thousands of volumes. CI runs it.
 test-heavy: $(STAMP) test-deps
 	$(PY) -m pytest -q --ignore=tests/xla -m slow
 

@@ -72,6 +72,7 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_one_before(tiny_cache, tmp_pa
     assert checkpoint.load(str(ckdir / "latest.pt"))["step"] == 10
 
 
+@pytest.mark.slow
 def test_full_disk_stops_the_build_cleanly_and_a_rerun_completes(tmp_path, small_tmpfs):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=8, scale=8, seed=6, bad_files=False))
@@ -130,6 +131,7 @@ def test_object_store_going_away_mid_build_stops_cleanly_and_loses_nothing(tmp_p
     assert_same_cache(cache, clean)
 
 
+@pytest.mark.slow
 def test_mirror_fails_clearly_when_the_store_is_away_then_copies_only_the_rest(tmp_path, restartable_gcs):
     src = tmp_path / "ds"
     synth.generate(src, synth.SynthConfig(participants=4, scale=16, seed=8, bad_files=False))
@@ -150,6 +152,7 @@ def test_mirror_fails_clearly_when_the_store_is_away_then_copies_only_the_rest(t
     assert "copied 3 this run" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_volume_is_retried_and_nothing_is_lost(tmp_path):
     """The OOM killer or a decoder crash takes a worker down: its rows get a second try in a
     fresh pool, and the cache ends equal to a clean build."""
@@ -183,6 +186,7 @@ dicom.read_volume = read_volume
 '''
 
 
+@pytest.mark.slow
 def test_a_file_that_kills_its_worker_every_time_fails_alone(tmp_path):
     """The decoder crashes on one file: every row beside it in the pool is suspect, so each is
     tried again alone; the bad file fails with `worker crashed`, the others are cached."""

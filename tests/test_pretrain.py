@@ -112,6 +112,7 @@ def _last_by_step(path):
     return out
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
     """Uninterrupted (no loader workers) vs killed with kill -9 and resumed (2 spawn workers):
     same losses, same weights, same optimizer state, bit for bit on CPU in float32."""

@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pandas as pd
+import pytest
 import zarr
 from conftest import SMALL, gcs_bucket, run_cli, s3_env, upload_tree
 
@@ -91,6 +92,7 @@ def test_stage_reports_verification_failure_for_missing_source(tmp_path):
     assert r.returncode in (1, 2) and ("no files" in r.stderr or "could not list" in r.stderr)
 
 
+@pytest.mark.slow
 def test_checkpoints_on_gs_and_resume_from_them(tiny_cache, gcs_emulator, tmp_path):
     from conftest import tiny_train_args
 
