@@ -2,8 +2,9 @@
 
     python -m bench.online_probe_cost --cache <cache> [--vitb] [key=value ...]
 
-Step time: Trainer.update on real batches (the guarded step included). Guard: the
-branch-free guarded_step against a bare opt.step() on the same gradients. Probe: one
+Step time: Trainer.update on real batches (the guarded step included). Guard: guarded_step
+(a branch on CPU) and its accelerator path (copy and select, timed here on CPU) against a bare
+opt.step() on the same gradients. Probe: one
 OnlineProbe call (encode max_train + max_val rows, score), as a fraction of eval_every steps.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     ok = tr.loss_mean.new_ones((), dtype=bool)
     plain_s = timed(lambda: grads_then(tr.opt.step), steps)
     guarded_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok)), steps)
+    select_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok, select=True)), steps)
     probe = online_probe.OnlineProbe(cfg, tr.rt.device)
     probe(tr.target, 0)  # warm up (first reads)
     rec = probe(tr.target, 0)
@@ -50,6 +52,8 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     return {"params_m": round(sum(p.numel() for p in tr.model.parameters()) / 1e6, 2), "tokens": tr.grid.tokens,
             "batch": cfg.batch_size, "step_s": round(step_s, 4), "opt_step_s": round(plain_s, 4),
             "guarded_step_s": round(guarded_s, 4), "guard_overhead_frac_of_step": round((guarded_s - plain_s) / step_s, 4),
+            "select_step_s": round(select_s, 4),           # the accelerators' copy-and-select path, timed on CPU
+            "select_overhead_frac_of_step": round((select_s - plain_s) / step_s, 4),
             "probe_rows": rec["train_rows"] + rec["val_rows"], "probe_s": rec["seconds"],
             "probe_s_per_row_over_step_s_per_sample": round(rec["seconds"] / (rec["train_rows"] + rec["val_rows"])
                                                            / (step_s / cfg.batch_size), 3),
