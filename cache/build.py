@@ -22,6 +22,7 @@ from tqdm import tqdm
 from cache import shards, store
 from cache.config import CacheConfig
 from cache.worker import SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
+from ingest import dicom
 from ingest import preprocess as prep
 from manifests import build as manifest_build
 from manifests import layout, schema
@@ -33,6 +34,8 @@ OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "
 
 def cache_key(row: dict, cfg: CacheConfig) -> str:
     p = config.to_dict(cfg.preprocess)
+    if p["decoder"] == "auto":  # which plugin "auto" picks is part of what decoded the pixels
+        p["decoder"] = "auto:" + ",".join(dicom.DECODER_ORDER)
     ident = {
         "relpath": row["relpath"], "size": row.get("size"), "version": row.get("source_version"),
         "sha1": row.get("expected_sha1"), "md5": row.get("expected_md5"),

@@ -19,7 +19,8 @@ from pydicom.pixels import get_decoder
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
 OCT_SOP_CLASSES = {OPT_SOP_CLASS, "1.2.840.10008.5.1.4.1.1.77.1.5.8"}
-DECODER_ORDER = ("gdcm", "pylibjpeg", "pillow")  # fastest first (docs/measurements.md; `make bench`)
+# Highest throughput first with every core decoding, as in the build's pool (docs/measurements.md; `make bench`)
+DECODER_ORDER = ("pylibjpeg", "gdcm", "pillow")
 PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
 LONG_LENGTH_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
 
@@ -158,7 +159,7 @@ def spacing_of(ds: pydicom.Dataset) -> tuple[float, float, float] | None:
 
 def choose_plugin(ts, decoder: str = "auto") -> str:
     """The decoding plugin for a transfer syntax: the configured one if it can, else the
-    fastest available (gdcm, pylibjpeg, pillow), else pydicom's own choice ("")."""
+    first available of DECODER_ORDER, else pydicom's own choice ("")."""
     if not ts.is_compressed:
         return ""
     try:
