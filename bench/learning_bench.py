@@ -23,8 +23,13 @@ def run(workdir: Path, quick: bool = False):
     res = json.loads((out / "result.json").read_text())
     keep = {"verdict": res["verdict"], "step": res["step"], "stages": res["stages"],
             "tasks": {t: v["comparisons"]["chosen_on_val"] for t, v in res["tasks"].items()}}
-    lines = ["## Learning check (pretrained vs random-init encoder on the lesion cohort)", "", res["verdict"], "",
-             "| stage | wall s | cpu s |", "|---|---|---|"]
+    ref = res.get("supervised_reference") or {}
+    keep["supervised_reference"] = ref
+    lines = ["## Learning check (pretrained vs random-init encoder on the lesion cohort)", "", res["verdict"], ""]
+    lines += [f"- supervised reference (the same encoder trained on the labels) - random-init, {t}: "
+              f"{r['difference']:+.3f} [{r['difference_ci95'][0]:+.3f}, {r['difference_ci95'][1]:+.3f}] "
+              f"({r['supervised']:.3f} vs {r['random_init']:.3f})" for t, r in ref.items()]
+    lines += ["", "| stage | wall s | cpu s |", "|---|---|---|"]
     lines += [f"| {k} | {v['wall_s']} | {v['cpu_s']} |" for k, v in res["stages"].items()]
     lines += ["", f"Full report: {out / 'result.md'}"]
     return keep, lines

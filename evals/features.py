@@ -30,7 +30,7 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
         cfg = train_cfg
         torch.manual_seed(seed)
         enc = Encoder(cfg.model, cfg.data.input_shape)
-        ident = {"ckpt": None, "random_seed": seed}
+        ident = {"ckpt": None, "random_seed": seed, "model": config.to_dict(cfg.model)}  # the seed alone names no architecture
     return enc.eval(), cfg, ident
 
 

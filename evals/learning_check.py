@@ -25,7 +25,7 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import probe
+from evals import probe, supervised
 from evals import probe_metrics as pm
 from evals.config import ProbeConfig
 from ingest import synth
@@ -35,7 +35,7 @@ from train import checkpoint, metrics, pretrain
 from train.config import TrainConfig
 from train.run_folder import RunFolder
 
-COHORT = synth.SynthConfig(participants=200, scale=4, seed=16, lesions=1.0, bad_files=False, unlabeled=0)
+COHORT = synth.SynthConfig(participants=1000, scale=4, seed=16, lesions=1.0, bad_files=False, unlabeled=0)
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 TARGET = 0.10        # pretrained minus random, binary task, with the paired interval above 0
 BINARY, MULTI = "diabetic", "study_group"
@@ -96,6 +96,14 @@ def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[st
     return out / name
 
 
+def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str]) -> str:
+    """The supervised reference (evals/supervised.py): the recipe's encoder trained on the
+    binary task's labels for as many steps as pretraining takes."""
+    cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
+    name = recipe_name(config_path, cache, overrides).replace("pretrain_", "supervised_")
+    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps)
+
+
 def chosen_on_val(res: dict, encoder: str) -> str:
     """The head kind whose val score ranks first for an encoder (the test split never chooses)."""
     heads = [p for p in res["probes"] if p["encoder"] == encoder]
@@ -127,6 +135,13 @@ def compare(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, se
                                      "val": {"pretrained": val[("pretrained", hp)], "random_init": val[("random_init", hr)]},
                                      **diff}
     return out
+
+
+def reference_row(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, seed: int) -> dict:
+    """The supervised reference against the random-init encoder, heads chosen on val."""
+    c = compare(task, res, preds, rows, n_boot, seed)["comparisons"]["chosen_on_val"]
+    return {"supervised": c["pretrained"], "supervised_ci95": c["pretrained_ci95"], "head": c["pretrained_head"],
+            "random_init": c["random_init"], "difference": c["difference"], "difference_ci95": c["difference_ci95"]}
 
 
 def online_curve(run_dir: Path) -> list[dict]:
@@ -177,6 +192,15 @@ def markdown(result: dict) -> str:
             lines.append(f"| {label} ({heads}) | {_num(c['val']['pretrained'])} / {_num(c['val']['random_init'])} | "
                          f"{c['pretrained']:.3f} | {c['random_init']:.3f} | "
                          f"{c['difference']:+.3f} [{_f(c['difference_ci95'][0])}, {_f(c['difference_ci95'][1])}] |")
+        lines.append("")
+    ref = result.get("supervised_reference")
+    if ref:
+        lines += ["Supervised reference: the same encoder trained on the diabetic labels of the train split for as "
+                  "many steps (it sees labels that pretraining never does), probed like the pretrained one. It "
+                  "measures how far label-aware features of this architecture get on this cohort.", "",
+                  "| task | supervised (head) | random-init | supervised - random [95% CI] |", "|---|---|---|---|"]
+        lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {r['difference']:+.3f} "
+                  f"[{_f(r['difference_ci95'][0])}, {_f(r['difference_ci95'][1])}] |" for t, r in ref.items()]
         lines.append("")
     tr = result["training"]
     if tr:
@@ -230,7 +254,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
-          participants: int = COHORT.participants, n_boot: int = 1000, probe_args: Sequence[str] = ()) -> dict:
+          participants: int = COHORT.participants, n_boot: int = 1000, probe_args: Sequence[str] = (),
+          with_supervised: bool = True) -> dict:
     """The whole check; every stage reuses what an earlier run finished."""
     stages = Stages()
     config.load(TrainConfig, config_path, overrides)  # refuse bad ARGS before any work
@@ -247,11 +272,20 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
                         "baselines=true", *probe_args])
     preds: dict = {}
     res = stages.run("probe", lambda: probe.probe_checkpoint(pcfg, ckpt, RunFolder(run_dir).probe, predictions=preds))
+    reference = {}
+    if with_supervised:
+        sup = stages.run("supervised reference", lambda: supervised_ckpt(config_path, cache, out, overrides))
+        sup_preds: dict = {}
+        # the run's probe folder: the random-init features are reused; no reports are written
+        sup_res = probe.probe_checkpoint(pcfg, sup, RunFolder(run_dir).probe, reports=False, predictions=sup_preds)
+        reference = {t: reference_row(t, sup_res["results"][t], sup_preds[t], sup_preds["rows"], n_boot, pcfg.seed)
+                     for t in (MULTI, BINARY)}
     result = {"source": source, "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": res["step"],
               "overrides": list(overrides), "bootstrap": n_boot, "target": TARGET,
               "features_reused": res["features_reused"],
               "tasks": {t: compare(t, res["results"][t], preds[t], preds["rows"], n_boot, pcfg.seed)
                         for t in (MULTI, BINARY)},
+              "supervised_reference": reference,
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     result["verdict"] = verdict(result)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--participants", type=int, default=COHORT.participants, help="cohort size")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
+    ap.add_argument("--no-supervised", action="store_true",
+                    help="skip the supervised reference (the same encoder trained on the labels)")
     ap.add_argument("--line", metavar="RUN", default=None,
                     help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
@@ -300,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(probe_line(RunFolder(a.line).probe))
         return 0
     t0 = time.perf_counter()
-    r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.participants, a.bootstrap, a.probe)
+    r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.participants, a.bootstrap, a.probe,
+              with_supervised=not a.no_supervised)
     print(markdown(r))
     print(f"learning-check: wrote {a.out}/result.json, result.md, result.png in {time.perf_counter() - t0:.0f}s")
     print(r["verdict"])

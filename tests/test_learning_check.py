@@ -1,6 +1,6 @@
 """`make learning-check` end to end on a tiny generated cohort with a few pretraining steps:
-the report is produced, both tasks carry a paired difference with its interval, and a re-run
-does only what is left."""
+the report is produced, both tasks carry a paired difference with its interval (the supervised
+reference too), and a re-run does only what is left."""
 import json
 import re
 
@@ -29,7 +29,11 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "probe"}
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "probe", "supervised reference"}
+    for task in ("diabetic", "study_group"):                            # the supervised reference, against random
+        ref = res["supervised_reference"][task]
+        assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9
+        assert ref["random_init"] == res["tasks"][task]["comparisons"]["chosen_on_val"]["random_init"]
     assert res["training"]["steps"] == 4
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))

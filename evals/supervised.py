@@ -1,0 +1,90 @@
+"""A supervised reference for the learning check: the pretraining config's encoder trained end
+to end on one task's labels (train split only, the same random crops and flips), saved as a
+checkpoint that the probes read exactly like a pretrained one.
+
+Its frozen features under the same heads, splits and bootstrap say what label-aware features of
+this architecture reach on a cohort at this size: the ceiling a self-supervised encoder can hope
+to approach, and whether the check can see a gain at all. It is a measurement of the check, not
+a competitor: it sees the labels that pretraining never does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from manifests.aireadi import TASKS
+from octfm import cli, config
+from train import checkpoint, data, encode, masks
+from train.config import TrainConfig
+from train.model import Encoder
+
+
+def labelled_rows(cfg: TrainConfig, task: str) -> list[dict]:
+    rows = [r for r in data.select_rows(cfg.data.cache, ["train"], cfg.data.devices) if r["label"] is not None]
+    if not rows:
+        raise cli.UsageError(f"data.cache: {cfg.data.cache} has no labelled train rows for the supervised reference")
+    return rows
+
+
+def class_weights(y: list[int], classes: int) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor(y), minlength=classes).float()
+    return torch.where(counts > 0, counts.sum() / counts.clamp(min=1) / classes, torch.zeros(()))
+
+
+class Labelled(Dataset):
+    """The training dataset's crop and flip of a row, with its class (masks dropped)."""
+
+    def __init__(self, ds: data.CacheDataset, y: list[int]):
+        self.ds, self.y = ds, y
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, key) -> dict:
+        item = self.ds[key]
+        return {"x": item["x"], "aug": item["aug"], "y": self.y[key[1]]}
+
+
+def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
+          progress: bool = True) -> str:
+    """Train encoder + linear head on `task` for `steps` steps on CPU; returns the checkpoint
+    (its `target` holds the encoder, so `evals.features.load_encoder` reads it). A finished
+    checkpoint is reused: the check is resumable at this granularity."""
+    done = checkpoint.newest_whole(ckpt_dir, warn=lambda _: None)
+    if done:
+        return done
+    spec = TASKS[task]
+    rows = labelled_rows(cfg, task)
+    y = [spec["map"](r["label"]) for r in rows]
+    torch.manual_seed(cfg.seed)
+    enc = Encoder(cfg.model, cfg.data.input_shape)
+    head = nn.Linear(cfg.model.dim, spec["classes"])
+    params = list(enc.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    weight = class_weights(y, spec["classes"])
+    grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+    ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
+    sampler = data.EpochSampler(len(rows), cfg.batch_size, seed=cfg.seed, stop_batch=steps)
+    kw = {"num_workers": cfg.data.workers, "persistent_workers": True} if cfg.data.workers > 0 else {}
+    dl = DataLoader(Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **kw)
+    bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
+    enc.train()
+    for step, b in enumerate(dl, 1):
+        logits = head(encode.pool(enc(data.normalize(b["x"], b["aug"]))))
+        loss = F.cross_entropy(logits, b["y"], weight=weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    state = {"config": config.to_dict(cfg), "target": enc.state_dict(), "head": head.state_dict(), "step": steps,
+             "supervised": {"task": task, "lr": lr, "weight_decay": weight_decay}}
+    return checkpoint.save(state, ckpt_dir, steps)
