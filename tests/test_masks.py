@@ -97,3 +97,22 @@ def test_padding_is_invisible_to_the_encoder_and_predictor():
             h = model.encoder(x, ctx, valid)
             outs.append((h[:, :4], model.predictor(h, ctx, tgt, valid)))
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+
+
+def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
+    """model.stem: the convolutions halve rows and columns and the patchify takes the rest of
+    the tubelet, so the grid (and every mask) is the plain ViT's; a tubelet the strides do not
+    divide is refused, naming the keys."""
+    import torch
+
+    from train.config import ModelConfig
+    from train.model import Encoder
+
+    plain = ModelConfig(tubelet=(4, 16, 16), dim=32, depth=1, heads=2)
+    stem = ModelConfig(tubelet=(4, 16, 16), stem=(8, 16), dim=32, depth=1, heads=2)
+    x = torch.randn(2, 1, 16, 48, 48)
+    a, b = Encoder(plain, (16, 48, 48)), Encoder(stem, (16, 48, 48))
+    assert a.grid == b.grid and b(x).shape == a(x).shape == (2, 4 * 3 * 3, 32)
+    assert b.patch.kernel_size == (4, 4, 4)
+    with pytest.raises(ValueError, match="model.tubelet .* model.stem"):
+        Encoder(ModelConfig(tubelet=(4, 6, 6), stem=(8, 8), dim=32, depth=1, heads=2), (16, 48, 48))

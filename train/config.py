@@ -25,6 +25,10 @@ class DataConfig:
 @dataclasses.dataclass
 class ModelConfig:
     tubelet: tuple[int, int, int] = (4, 16, 16)
+    # Channels of 3 x 3 x 3 convolutions (each + GELU, halving rows and columns) before the tubelet
+    # patchify; empty: the plain linear patchify of ViT. A lesion smaller than a tubelet moves
+    # inside it, which a linear patchify cannot follow (docs/measurements.md, the learning check).
+    stem: tuple[int, ...] = ()
     dim: int = 768
     depth: int = 12
     heads: int = 12

@@ -28,7 +28,7 @@ FORMAT = "octfm-encoder"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-ARCH_KEYS = ("tubelet", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
+ARCH_KEYS = ("tubelet", "stem", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
 
 
 class Embeddings(NamedTuple):
@@ -77,7 +77,7 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
 
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
-    arch = typed.from_dict(ModelConfig, {k: cfg["architecture"][k] for k in ARCH_KEYS}, where="config.json architecture")
+    arch = typed.from_dict(ModelConfig, {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}, where="config.json architecture")
     inp, norm = cfg["input"], cfg["normalization"]
     enc = Encoder(arch, inp["input_shape"])
     if state is not None:

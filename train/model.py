@@ -83,6 +83,29 @@ def _init_weights(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
+STEM_STRIDE = (1, 2, 2)  # each stem convolution halves rows and columns (frames are few already)
+
+
+def conv_stem(channels) -> nn.Module:
+    """3 x 3 x 3 convolutions + GELU, each halving rows and columns: local detectors whose
+    responses the tubelet patchify then sums wherever they fall inside a tubelet (identity
+    when `channels` is empty)."""
+    layers, c_in = [], 1
+    for c in channels:
+        layers += [nn.Conv3d(c_in, c, kernel_size=3, stride=STEM_STRIDE, padding=1), nn.GELU()]
+        c_in = c
+    return nn.Sequential(*layers)
+
+
+def patch_kernel(tubelet, stem) -> tuple[int, int, int]:
+    """The patchify's kernel after the stem's strides: the tubelet, divided."""
+    k = [t // s ** len(stem) for t, s in zip(tubelet, STEM_STRIDE)]
+    if any(kk * s ** len(stem) != t for kk, s, t in zip(k, STEM_STRIDE, tubelet)):
+        raise ValueError(f"model.tubelet {list(tubelet)} is not divisible by the strides of model.stem "
+                         f"({len(stem)} x {list(STEM_STRIDE)})")
+    return tuple(k)
+
+
 class Encoder(nn.Module):
     """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens (of which only
     the `valid` ones are attended to, for a padded context), transform."""
@@ -90,7 +113,9 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, input_shape):
         super().__init__()
         self.grid = dataclasses.astuple(masks.grid_for(input_shape, cfg.tubelet))
-        self.patch = nn.Conv3d(1, cfg.dim, kernel_size=tuple(cfg.tubelet), stride=tuple(cfg.tubelet))
+        self.stem = conv_stem(cfg.stem)
+        k = patch_kernel(cfg.tubelet, cfg.stem)
+        self.patch = nn.Conv3d(cfg.stem[-1] if cfg.stem else 1, cfg.dim, kernel_size=k, stride=k)
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
@@ -103,7 +128,7 @@ class Encoder(nn.Module):
         return math.prod(self.grid)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        t = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        t = self.patch(self.stem(x)).flatten(2).transpose(1, 2) + self.pos
         if idx is not None:
             t = gather_tokens(t, idx)
         for blk in self.blocks:
