@@ -22,8 +22,9 @@ KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", 
 
 
 def probed_checkpoint(run) -> str:
-    """The checkpoint as `make probe run=<run>` named it (its features are keyed by the name)."""
-    return str(run / "checkpoints" / "step_0000004.pt")
+    """The checkpoint `make probe run=<run>` probed, spelled otherwise than the probe spelled it:
+    its features are keyed by the resolved path, so they are reused all the same."""
+    return f"{run}/checkpoints/./step_0000004.pt"
 
 
 def expected_embeddings(ckpt: str, cache, rows) -> np.ndarray:
