@@ -39,8 +39,8 @@ def _store(uri: str, read_only: bool):
     return LocalStore(uri, read_only=read_only)
 
 
-def codec(cname: str = "zstd", clevel: int = 3) -> BloscCodec:
-    return BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle")
+def codec(cname: str = "zstd", clevel: int = 3, shuffle: str = "bitshuffle") -> BloscCodec:
+    return BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle)
 
 
 def ome_attrs(spacing_mm: list[float] | None, name: str = "") -> dict:
