@@ -25,8 +25,8 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
         cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
         enc = Encoder(cfg.model, cfg.data.input_shape)
         enc.load_state_dict(st["target"])
-        where = str(ckpt) if fsio.is_remote(str(ckpt)) else str(Path(ckpt).resolve())  # one key however CKPT is spelled
-        ident = {"ckpt": where, "step": int(st["step"]), **checkpoint.identity(ckpt)}
+        # checkpoint.identity (name, size, time), not the path as spelled: one key however CKPT is written
+        ident = {"step": int(st["step"]), **checkpoint.identity(ckpt)}
     else:
         cfg = train_cfg
         torch.manual_seed(seed)

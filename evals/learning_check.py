@@ -274,10 +274,11 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     res = stages.run("probe", lambda: probe.probe_checkpoint(pcfg, ckpt, RunFolder(run_dir).probe, predictions=preds))
     reference = {}
     if with_supervised:
-        sup = stages.run("supervised reference", lambda: supervised_ckpt(config_path, cache, out, overrides))
         sup_preds: dict = {}
-        # the run's probe folder: the random-init features are reused; no reports are written
-        sup_res = probe.probe_checkpoint(pcfg, sup, RunFolder(run_dir).probe, reports=False, predictions=sup_preds)
+        # probed in the run's probe folder: the random-init features are reused; no reports are written
+        sup_res = stages.run("supervised reference", lambda: probe.probe_checkpoint(
+            pcfg, supervised_ckpt(config_path, cache, out, overrides), RunFolder(run_dir).probe, reports=False,
+            predictions=sup_preds))
         reference = {t: reference_row(t, sup_res["results"][t], sup_preds[t], sup_preds["rows"], n_boot, pcfg.seed)
                      for t in (MULTI, BINARY)}
     result = {"source": source, "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": res["step"],

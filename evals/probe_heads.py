@@ -42,15 +42,19 @@ class AttentiveHeads(nn.Module):
         return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
 
 
+def class_weights(y, classes: int) -> torch.Tensor:
+    """Balanced cross-entropy weights: n / (classes x count) per class, 0 for an absent class."""
+    counts = np.bincount(np.asarray(y), minlength=classes).astype(np.float64)
+    return torch.tensor(np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / classes, 0.0), dtype=torch.float32)
+
+
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
                 y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True):
     """Train one head per (lr, wd) on the training features; returns a predict function."""
     torch.manual_seed(seed)
     heads = (AttentiveHeads if kind == "attentive" else LinearHeads)(len(grid), pooled.shape[1], classes)
     opt = _HeadAdamW(heads, grid)
-    counts = np.bincount(y, minlength=classes).astype(np.float64)
-    weight = torch.tensor(np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / classes, 0.0),
-                          dtype=torch.float32) if class_weight else None
+    weight = class_weights(y, classes) if class_weight else None
     P = torch.from_numpy(pooled).float()
     T = torch.from_numpy(tokens).float() if tokens is not None else None
     Y = torch.from_numpy(y).long()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from evals import probe_heads
 from manifests.aireadi import TASKS
 from octfm import cli, config
 from train import checkpoint, data, encode, masks
@@ -22,16 +23,11 @@ from train.config import TrainConfig
 from train.model import Encoder
 
 
-def labelled_rows(cfg: TrainConfig, task: str) -> list[dict]:
+def labelled_rows(cfg: TrainConfig) -> list[dict]:
     rows = [r for r in data.select_rows(cfg.data.cache, ["train"], cfg.data.devices) if r["label"] is not None]
     if not rows:
         raise cli.UsageError(f"data.cache: {cfg.data.cache} has no labelled train rows for the supervised reference")
     return rows
-
-
-def class_weights(y: list[int], classes: int) -> torch.Tensor:
-    counts = torch.bincount(torch.tensor(y), minlength=classes).float()
-    return torch.where(counts > 0, counts.sum() / counts.clamp(min=1) / classes, torch.zeros(()))
 
 
 class Labelled(Dataset):
@@ -57,7 +53,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     if done:
         return done
     spec = TASKS[task]
-    rows = labelled_rows(cfg, task)
+    rows = labelled_rows(cfg)
     y = [spec["map"](r["label"]) for r in rows]
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.model, cfg.data.input_shape)
@@ -65,7 +61,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     params = list(enc.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    weight = class_weights(y, spec["classes"])
+    weight = probe_heads.class_weights(y, spec["classes"])
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
     sampler = data.EpochSampler(len(rows), cfg.batch_size, seed=cfg.seed, stop_batch=steps)

@@ -23,7 +23,7 @@ KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", 
 
 def probed_checkpoint(run) -> str:
     """The checkpoint `make probe run=<run>` probed, spelled otherwise than the probe spelled it:
-    its features are keyed by the resolved path, so they are reused all the same."""
+    its features are keyed by the checkpoint's identity, not the path, so they are reused all the same."""
     return f"{run}/checkpoints/./step_0000004.pt"
 
 

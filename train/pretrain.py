@@ -104,9 +104,9 @@ def guarded_step(opt: torch.optim.Optimizer, ok: torch.Tensor, select: bool | No
     """opt.step() only where `ok` (a 0-dim bool device tensor), leaving the parameters and the
     optimizer state (AdamW moments and step count) exactly as they were on a skip.
 
-    On CPU (`select` None or False) this is a plain branch: the host computes anyway, so reading
-    `ok` costs nothing, and copying every parameter and moment would cost up to 30% of a
-    small-batch step. On an accelerator (`select`): the parameters and the state are copied
+    On CPU (the default when `select` is None) this is a plain branch: the host computes anyway,
+    so reading `ok` costs nothing, while copying every parameter and moment cost 42% of a
+    batch-2 ViT-B step (docs/measurements.md). Elsewhere (`select`): the parameters and the state are copied
     first and selected back with torch.where, with no host sync and one code path, so XLA
     compiles one graph whatever the decision and CUDA never waits on the host. A state the step
     created (first update) falls back to zeros, AdamW's initial state. A group whose lr is 0
