@@ -98,18 +98,23 @@ def _macula_point(rng: np.random.Generator) -> tuple[float, float]:
             return float(y), float(x)
 
 
-def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0) -> Eye:
+def _scaled(radii: tuple[float, float, float], size: float) -> tuple[float, float, float]:
+    return tuple(r * size for r in radii)
+
+
+def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0, size: float = 1.0) -> Eye:
     """An eye of the cohort: lesion counts from the label (`lesions` scales the rates' growth
-    with the label; 0: every class like healthy), thickness and brightness independent of it."""
+    with the label; 0: every class like healthy; `size` scales every lesion's radii),
+    thickness and brightness independent of it."""
     lab = 0 if label is None else int(label)
     rate = lambda table: table[0] + lesions * (table[lab] - table[0])  # noqa: E731
     items = []
     for _ in range(rng.poisson(rate(FOCI_PER_EYE))):
         y, x = _macula_point(rng)
-        items.append(Lesion(y, x, str(rng.choice(["gcl_ipl", "inl", "opl"])), FOCUS_RADII, FOCUS_LEVEL))
+        items.append(Lesion(y, x, str(rng.choice(["gcl_ipl", "inl", "opl"])), _scaled(FOCUS_RADII, size), FOCUS_LEVEL))
     for _ in range(rng.poisson(rate(CYSTS_PER_EYE))):
         y, x = _macula_point(rng)
-        items.append(Lesion(y, x, str(rng.choice(["inl", "opl"])), CYST_RADII, CYST_LEVEL))
+        items.append(Lesion(y, x, str(rng.choice(["inl", "opl"])), _scaled(CYST_RADII, size), CYST_LEVEL))
     return Eye(tuple(items), thickness=float(rng.uniform(0.85, 1.15)), offset=float(rng.uniform(-0.04, 0.04)))
 
 
@@ -249,6 +254,7 @@ class SynthConfig:
     seed: int = 0
     signal: float = 0.0          # planted class cue strength (0: none)
     lesions: float | None = None  # the cohort's lesion cue (sample_eye); None: no lesions, no per-eye confounders
+    lesion_size: float = 1.0     # every lesion's radii scaled by this (sample_eye)
     bad_files: bool = True
     split_column: bool = True    # write recommended_split (False exercises the fallback)
     id_column: str = "participant_id"  # or person_id (release 3)
@@ -314,7 +320,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         if cfg.placeholders:
             return None, shape, generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
         r = vol_rng or rng
-        eye = sample_eye(label, r, cfg.lesions) if cfg.lesions is not None else None
+        eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size) if cfg.lesions is not None else None
         vol = make_volume(shape, r, lat, label, cfg.signal, eye)
         if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
             vol = vol[::-1].copy()
@@ -409,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lesions", type=float, default=None,
                     help="the learning-check cohort's cue: macular lesions whose number grows with the label "
                          "(1: the cohort's rates, 0: every class like healthy), with per-eye thickness and brightness")
+    ap.add_argument("--lesion-size", type=float, default=SynthConfig.lesion_size,
+                    help="with --lesions: every lesion's radii scaled by this")
     ap.add_argument("--unlabeled", type=int, default=SynthConfig.unlabeled, help="participants without a study group")
     ap.add_argument("--no-bad-files", action="store_true")
     ap.add_argument("--no-split-column", action="store_true")
@@ -418,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
-    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions,
+    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions, lesion_size=a.lesion_size,
                       unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
