@@ -45,10 +45,11 @@ class Labelled(Dataset):
 
 
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
-          progress: bool = True) -> str:
+          progress: bool = True, dataset=Labelled) -> str:
     """Train encoder + linear head on `task` for `steps` steps on CPU; returns the checkpoint
     (its `target` holds the encoder, so `evals.features.load_encoder` reads it). A finished
-    checkpoint is reused: the check is resumable at this granularity."""
+    checkpoint is reused: the check is resumable at this granularity. `dataset(ds, y)` wraps
+    the crops (evals/cohort_screen.py plants a cue with it)."""
     done = checkpoint.newest_whole(ckpt_dir, warn=lambda _: None)
     if done:
         return done
@@ -66,7 +67,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
     sampler = data.EpochSampler(len(rows), cfg.batch_size, seed=cfg.seed, stop_batch=steps)
     kw = {"num_workers": cfg.data.workers, "persistent_workers": True} if cfg.data.workers > 0 else {}
-    dl = DataLoader(Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **kw)
+    dl = DataLoader(dataset(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **kw)
     bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
     enc.train()
     for step, b in enumerate(dl, 1):

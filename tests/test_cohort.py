@@ -5,15 +5,10 @@ volumes, with the same regression and split, does better, so the test can fail."
 import numpy as np
 import pandas as pd
 import pytest
-from scipy import ndimage
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import balanced_accuracy_score
-from sklearn.model_selection import GroupKFold, cross_val_predict
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
 
 from cache import store
 from conftest import run_cli
+from evals.cohort_screen import global_statistics, held_out_score, lesion_counts
 from ingest import synth
 
 
@@ -30,33 +25,6 @@ def lesion_cohort(tmp_path_factory):
     return root
 
 
-def global_statistics(vol: np.ndarray) -> list[float]:
-    return [vol.mean(), vol.std(), *np.percentile(vol, [1, 5, 25, 50, 75, 95, 99])]
-
-
-def lesion_counts(vol: np.ndarray) -> list[float]:
-    """Blobs brighter / darker than their en-face neighbourhood inside the retina's mid-grey
-    band of the central crop: smoothing across frames and columns only removes the layers
-    (smooth there) and keeps local lesions."""
-    c = vol[:, 16:112, 16:112]
-    background = ndimage.gaussian_filter(c, (4, 0.7, 10))
-    d = ndimage.gaussian_filter(c, (1, 1, 1.5)) - background
-    band = (background > 90) & (background < 200)
-    out = []
-    for mask in (d > 25, d > 30, d > 35, d < -30, d < -35, d < -40, d < -45):
-        lab, _ = ndimage.label(mask & band)
-        out.append(np.log1p((np.bincount(lab.ravel())[1:] >= 6).sum()))
-    return out
-
-
-def held_out_score(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
-    """Balanced accuracy of predictions for held-out participants (5 folds over participants,
-    so every volume is scored by a model that never saw its participant)."""
-    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, class_weight="balanced"))
-    pred = cross_val_predict(model, x, y, groups=groups, cv=GroupKFold(5))
-    return balanced_accuracy_score(y, pred)
-
-
 def test_label_is_local_not_global(lesion_cohort):
     cache = lesion_cohort / "cache"
     df = pd.read_parquet(cache / "manifest.parquet")
@@ -71,3 +39,37 @@ def test_label_is_local_not_global(lesion_cohort):
     print(f"held-out balanced accuracy: global statistics {g_score:.3f}, lesion counts {les_score:.3f}")
     assert g_score < 0.58                       # chance is 0.5 (about 225 volumes)
     assert les_score > g_score + 0.05
+
+
+def test_planted_cue_marks_positive_crops_only():
+    """The screen's planted cube (evals/cohort_screen.py) brightens 8 x 16 x 16 voxels of each
+    positive crop and leaves negative crops as they were."""
+    import torch
+
+    from evals.cohort_screen import Planted
+
+    class Crops:
+        def __getitem__(self, key):
+            return {"x": torch.full((1, 32, 96, 96), 100, dtype=torch.uint8), "aug": torch.ones(2)}
+
+    ds = Planted(Crops(), [0, 1], amp=50)
+    neg, pos = ds[(0, 0)], ds[(0, 1)]
+    assert (neg["x"] == 100).all() and neg["y"] == 0
+    assert int((pos["x"] == 150).sum()) == 8 * 16 * 16 and int((pos["x"] == 100).sum()) == 32 * 96 * 96 - 8 * 16 * 16
+    assert pos["y"] == 1 and torch.equal(ds[(0, 1)]["x"], pos["x"])      # the same place for the same key
+
+
+def test_cohort_screen_end_to_end(lesion_cohort, tmp_path):
+    """`python -m evals.cohort_screen` on the test cohort: the statistics, a short supervised
+    reference and its own-head scores land in screen.json, and the verdict line is printed."""
+    import json
+
+    r = run_cli("evals.cohort_screen", "--cache", str(lesion_cohort / "cache"), "--out", str(tmp_path / "s"),
+                "--steps", "4", "batch_size=2", "data.workers=0")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "s" / "screen.json").read_text())
+    assert res["statistics"]["participants"] == 100 and res["statistics"]["global"] < 0.58
+    assert 0.0 <= res["supervised"]["val"] <= 1.0 and res["supervised"]["steps"] == 4
+    ok = res["supervised"]["val"] >= 0.65 and res["statistics"]["global"] < 0.58
+    assert r.stdout.strip().splitlines()[-1] == res["verdict"]
+    assert res["verdict"].startswith("cohort-screen: QUALIFIES" if ok else "cohort-screen: does not qualify")

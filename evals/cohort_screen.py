@@ -1,0 +1,172 @@
+"""`python -m evals.cohort_screen`: is a labelled cache's class cue local, and learnable by the
+recipe's encoder? Label-aware measurements only, so a cohort can be qualified for the learning
+check before any pretraining runs on it (README, "Learning check", decisions 2 and 3).
+
+Three numbers, each a balanced accuracy on the binary `diabetic` task:
+- global statistics (mean, std, percentiles of each cached volume) in a logistic regression,
+  5 folds over participants: must be at chance, or the cue is not local;
+- a hand-made blob counter (lesions brighter or darker than their en-face neighbourhood) in the
+  same regression: what a reader who knows where to look gets;
+- the learning check's supervised reference (`evals/supervised.py`: the config's encoder
+  trained end to end on the labels, as `make learning-check` trains it), scored with its own
+  head on centre crops of the train split (first 400) and of val.
+
+`--plant AMP` adds a bright cube (+AMP grey levels, 8 x 16 x 16 voxels, at a random place) to
+every positive training crop: a cue any encoder should learn, which tells "this encoder cannot
+learn local cues here" from "this cohort's cue is too weak". Writes <out>/screen.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import ndimage
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import balanced_accuracy_score
+from sklearn.model_selection import GroupKFold, cross_val_predict
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from cache import store
+from evals import supervised
+from evals.features import load_encoder
+from manifests.aireadi import TASKS
+from octfm import cli, config, fsio
+from train import checkpoint, data, encode
+from train.config import TrainConfig
+
+TASK = "diabetic"
+QUALIFY = {"supervised_val": 0.65, "global_below": 0.58}  # decision 2's bar
+
+
+def global_statistics(vol: np.ndarray) -> list[float]:
+    return [vol.mean(), vol.std(), *np.percentile(vol, [1, 5, 25, 50, 75, 95, 99])]
+
+
+def lesion_counts(vol: np.ndarray) -> list[float]:
+    """Blobs brighter / darker than their en-face neighbourhood inside the retina's mid-grey
+    band of the central crop of a 32 x 128 x 128 volume: smoothing across frames and columns
+    only removes the layers (smooth there) and keeps local lesions."""
+    c = vol[:, 16:112, 16:112]
+    background = ndimage.gaussian_filter(c, (4, 0.7, 10))
+    d = ndimage.gaussian_filter(c, (1, 1, 1.5)) - background
+    band = (background > 90) & (background < 200)
+    out = []
+    for mask in (d > 25, d > 30, d > 35, d < -30, d < -35, d < -40, d < -45):
+        lab, _ = ndimage.label(mask & band)
+        out.append(np.log1p((np.bincount(lab.ravel())[1:] >= 6).sum()))
+    return out
+
+
+def held_out_score(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
+    """Balanced accuracy of predictions for held-out participants (5 folds over participants,
+    so every volume is scored by a model that never saw its participant)."""
+    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, class_weight="balanced"))
+    pred = cross_val_predict(model, x, y, groups=groups, cv=GroupKFold(5))
+    return float(balanced_accuracy_score(y, pred))
+
+
+def statistics_scores(cache: str) -> dict:
+    """Global statistics and blob counter, held out over participants, on every ok labelled row."""
+    df = pd.read_parquet(Path(cache) / "manifest.parquet")
+    df = df[(df.status == "ok") & df.label.notna()].reset_index(drop=True)
+    vols = [store.read_volume(cache, v).astype(np.float32) for v in df.volume]
+    y = np.array([TASKS[TASK]["map"](v) for v in df.label])
+    groups = df.participant_id.to_numpy()
+    return {"global": held_out_score(np.array([global_statistics(v) for v in vols]), y, groups),
+            "counter": held_out_score(np.array([lesion_counts(v) for v in vols]), y, groups),
+            "volumes": len(df), "participants": int(df.participant_id.nunique())}
+
+
+class Planted(supervised.Labelled):
+    """Labelled crops with a bright cube in every positive one (placed from the key, so runs repeat)."""
+
+    def __init__(self, ds, y, amp: int):
+        super().__init__(ds, y)
+        self.amp = amp
+
+    def __getitem__(self, key) -> dict:
+        item = super().__getitem__(key)
+        if item["y"] == 1:
+            x = item["x"].int()
+            _, d, h, w = x.shape
+            r = np.random.default_rng([key[0], key[1]])
+            f, a, b = (int(r.integers(0, max(1, n - k + 1))) for n, k in ((d, 8), (h, 16), (w, 16)))
+            x[0, f:f + 8, a:a + 16, b:b + 16] += self.amp
+            item["x"] = x.clamp_(0, 255).to(torch.uint8)
+        return item
+
+
+def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400) -> dict:
+    """The supervised checkpoint's own head on centre crops: train (first `cap`) and val."""
+    enc, _, _ = load_encoder(ckpt)
+    st = checkpoint.load(ckpt)
+    head = torch.nn.Linear(cfg.model.dim, TASKS[TASK]["classes"])
+    head.load_state_dict(st["head"])
+    out = {}
+    for split, n in (("train", cap), ("val", None)):
+        rows = [r for r in data.select_rows(cfg.data.cache, [split], cfg.data.devices) if r["label"] is not None][:n]
+        y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
+        pred = []
+        with torch.no_grad():
+            for x, k in encode.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
+                pred.append(head(encode.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
+        out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
+    return out
+
+
+def screen(cache: str, out: Path, config_path: str, overrides: Sequence[str], steps: int | None = None,
+           plant: int = 0, stats: bool = True, progress: bool = True) -> dict:
+    cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
+    res: dict = {"cache": cache, "config": config_path, "overrides": list(overrides), "plant": plant}
+    if stats:
+        t0 = time.perf_counter()
+        res["statistics"] = statistics_scores(cache)
+        res["statistics_s"] = round(time.perf_counter() - t0, 1)
+    steps = steps or cfg.max_steps
+    t0 = time.perf_counter()
+    wrap = (lambda ds, y: Planted(ds, y, plant)) if plant else supervised.Labelled
+    ckpt = supervised.train(cfg, TASK, str(out / "checkpoints"), steps, progress=progress, dataset=wrap)
+    res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ckpt, cfg)}
+    res["verdict"] = verdict(res)
+    out.mkdir(parents=True, exist_ok=True)
+    fsio.atomic_write_bytes(str(out / "screen.json"), json.dumps(res, indent=2).encode())
+    return res
+
+
+def verdict(res: dict) -> str:
+    val = res["supervised"]["val"]
+    glob = res.get("statistics", {}).get("global")
+    ok = val >= QUALIFY["supervised_val"] and (glob is None or glob < QUALIFY["global_below"])
+    return (f"cohort-screen: {'QUALIFIES' if ok else 'does not qualify'} (supervised val {val:.3f}, "
+            f"needs >= {QUALIFY['supervised_val']}; global statistics "
+            f"{'not measured' if glob is None else f'{glob:.3f}'}, needs < {QUALIFY['global_below']})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evals.cohort_screen", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", required=True, help="a labelled cache (32 x 128 x 128 for the counter)")
+    ap.add_argument("--out", required=True, help="where the supervised checkpoint and screen.json go")
+    ap.add_argument("--config", default="configs/pretrain_check.yaml")
+    ap.add_argument("--steps", type=int, default=None, help="supervised steps (default: the config's max_steps)")
+    ap.add_argument("--plant", type=int, default=0, metavar="AMP", help="plant a bright cube in positive crops")
+    ap.add_argument("--no-stats", action="store_true", help="skip the global-statistics and counter scores")
+    ap.add_argument("overrides", nargs="*", help="config overrides (key=value)")
+    a = ap.parse_args(argv)
+    if not (Path(a.cache) / "manifest.parquet").exists():
+        raise cli.UsageError(f"--cache {a.cache}: no manifest.parquet (build it with `make cache`)")
+    r = screen(a.cache, Path(a.out), a.config, a.overrides, a.steps, a.plant, stats=not a.no_stats)
+    print(json.dumps({k: v for k, v in r.items() if k != "verdict"}, indent=2))
+    print(r["verdict"])
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
