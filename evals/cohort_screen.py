@@ -84,6 +84,18 @@ def statistics_scores(cache: str) -> dict:
             "volumes": len(df), "participants": int(df.participant_id.nunique())}
 
 
+CUBE = (8, 16, 16)
+
+
+def plant_cube(x: torch.Tensor, amp: int, seed) -> torch.Tensor:
+    """uint8 [1, D, H, W] with +amp grey levels over a CUBE at a place drawn from `seed`."""
+    out = x.int()
+    r = np.random.default_rng(seed)
+    f, a, b = (int(r.integers(0, max(1, n - k + 1))) for n, k in zip(out.shape[1:], CUBE))
+    out[0, f:f + CUBE[0], a:a + CUBE[1], b:b + CUBE[2]] += amp
+    return out.clamp_(0, 255).to(torch.uint8)
+
+
 class Planted(supervised.Labelled):
     """Labelled crops with a bright cube in every positive one (placed from the key, so runs repeat)."""
 
@@ -94,17 +106,13 @@ class Planted(supervised.Labelled):
     def __getitem__(self, key) -> dict:
         item = super().__getitem__(key)
         if item["y"] == 1:
-            x = item["x"].int()
-            _, d, h, w = x.shape
-            r = np.random.default_rng([key[0], key[1]])
-            f, a, b = (int(r.integers(0, max(1, n - k + 1))) for n, k in ((d, 8), (h, 16), (w, 16)))
-            x[0, f:f + 8, a:a + 16, b:b + 16] += self.amp
-            item["x"] = x.clamp_(0, 255).to(torch.uint8)
+            item["x"] = plant_cube(item["x"], self.amp, [key[0], key[1]])
         return item
 
 
-def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400) -> dict:
-    """The supervised checkpoint's own head on centre crops: train (first `cap`) and val."""
+def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0) -> dict:
+    """The supervised checkpoint's own head on centre crops: train (first `cap`) and val
+    (with `plant`, every positive volume carries the cube too, so the score reads the cue)."""
     enc, _, _ = load_encoder(ckpt)
     st = checkpoint.load(ckpt)
     head = torch.nn.Linear(cfg.model.dim, TASKS[TASK]["classes"])
@@ -115,7 +123,11 @@ def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400) -> dict:
         y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
         pred = []
         with torch.no_grad():
-            for x, k in encode.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
+            for i, (x, k) in enumerate(encode.volume_batches(cfg.data.cache, rows, cfg.data.stride,
+                                                             cfg.data.input_shape, 8)):
+                if plant:
+                    x = torch.stack([plant_cube(v, plant, [2 ** 31, 8 * i + j]) if y[8 * i + j] == 1 else v
+                                     for j, v in enumerate(x)])
                 pred.append(head(encode.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
         out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
     return out
@@ -133,7 +145,7 @@ def screen(cache: str, out: Path, config_path: str, overrides: Sequence[str], st
     t0 = time.perf_counter()
     wrap = (lambda ds, y: Planted(ds, y, plant)) if plant else supervised.Labelled
     ckpt = supervised.train(cfg, TASK, str(out / "checkpoints"), steps, progress=progress, dataset=wrap)
-    res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ckpt, cfg)}
+    res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ckpt, cfg, plant=plant)}
     res["verdict"] = verdict(res)
     out.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(out / "screen.json"), json.dumps(res, indent=2).encode())

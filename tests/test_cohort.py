@@ -61,15 +61,16 @@ def test_planted_cue_marks_positive_crops_only():
 
 def test_cohort_screen_end_to_end(lesion_cohort, tmp_path):
     """`python -m evals.cohort_screen` on the test cohort: the statistics, a short supervised
-    reference and its own-head scores land in screen.json, and the verdict line is printed."""
+    reference (with a planted cue, which its scoring plants too) and its own-head scores land
+    in screen.json, and the verdict line is printed."""
     import json
 
     r = run_cli("evals.cohort_screen", "--cache", str(lesion_cohort / "cache"), "--out", str(tmp_path / "s"),
-                "--steps", "4", "batch_size=2", "data.workers=0")
+                "--steps", "4", "--plant", "60", "batch_size=2", "data.workers=0")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "s" / "screen.json").read_text())
     assert res["statistics"]["participants"] == 100 and res["statistics"]["global"] < 0.58
-    assert 0.0 <= res["supervised"]["val"] <= 1.0 and res["supervised"]["steps"] == 4
+    assert 0.0 <= res["supervised"]["val"] <= 1.0 and res["supervised"]["steps"] == 4 and res["plant"] == 60
     ok = res["supervised"]["val"] >= 0.65 and res["statistics"]["global"] < 0.58
     assert r.stdout.strip().splitlines()[-1] == res["verdict"]
     assert res["verdict"].startswith("cohort-screen: QUALIFIES" if ok else "cohort-screen: does not qualify")
