@@ -18,6 +18,7 @@ learn local cues here" from "this cohort's cue is too weak". Writes <out>/screen
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -73,15 +74,19 @@ def held_out_score(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
 
 
 def statistics_scores(cache: str) -> dict:
-    """Global statistics and blob counter, held out over participants, on every ok labelled row."""
+    """Global statistics and blob counter, held out over participants, on every ok labelled row
+    (one volume in memory at a time: a 1,000-participant cache is 4.7 GB as float32)."""
     df = pd.read_parquet(Path(cache) / "manifest.parquet")
     df = df[(df.status == "ok") & df.label.notna()].reset_index(drop=True)
-    vols = [store.read_volume(cache, v).astype(np.float32) for v in df.volume]
+    glob, counts = [], []
+    for v in df.volume:
+        vol = store.read_volume(cache, v).astype(np.float32)
+        glob.append(global_statistics(vol))
+        counts.append(lesion_counts(vol))
     y = np.array([TASKS[TASK]["map"](v) for v in df.label])
     groups = df.participant_id.to_numpy()
-    return {"global": held_out_score(np.array([global_statistics(v) for v in vols]), y, groups),
-            "counter": held_out_score(np.array([lesion_counts(v) for v in vols]), y, groups),
-            "volumes": len(df), "participants": int(df.participant_id.nunique())}
+    return {"global": held_out_score(np.array(glob), y, groups), "counter": held_out_score(np.array(counts), y, groups),
+            "volumes": len(df), "participants": int(df.participant_id.nunique()), "devices": int(df.device.nunique())}
 
 
 CUBE = (8, 16, 16)
@@ -119,16 +124,16 @@ def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0)
     head.load_state_dict(st["head"])
     out = {}
     for split, n in (("train", cap), ("val", None)):
-        rows = [r for r in data.select_rows(cfg.data.cache, [split], cfg.data.devices) if r["label"] is not None][:n]
+        rows = supervised.labelled_rows(cfg, split)[:n]
         y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
-        pred = []
+        pred, start = [], 0
         with torch.no_grad():
-            for i, (x, k) in enumerate(encode.volume_batches(cfg.data.cache, rows, cfg.data.stride,
-                                                             cfg.data.input_shape, 8)):
-                if plant:
-                    x = torch.stack([plant_cube(v, plant, [2 ** 31, 8 * i + j]) if y[8 * i + j] == 1 else v
+            for x, k in encode.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
+                if plant:  # seeds apart from the training crops' (epoch, index) keys
+                    x = torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
                                      for j, v in enumerate(x)])
                 pred.append(head(encode.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
+                start += k
         out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
     return out
 
@@ -143,7 +148,7 @@ def screen(cache: str, out: Path, config_path: str, overrides: Sequence[str], st
         res["statistics_s"] = round(time.perf_counter() - t0, 1)
     steps = steps or cfg.max_steps
     t0 = time.perf_counter()
-    wrap = (lambda ds, y: Planted(ds, y, plant)) if plant else supervised.Labelled
+    wrap = functools.partial(Planted, amp=plant) if plant else supervised.Labelled
     ckpt = supervised.train(cfg, TASK, str(out / "checkpoints"), steps, progress=progress, dataset=wrap)
     res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ckpt, cfg, plant=plant)}
     res["verdict"] = verdict(res)

@@ -23,10 +23,10 @@ from train.config import TrainConfig
 from train.model import Encoder
 
 
-def labelled_rows(cfg: TrainConfig) -> list[dict]:
-    rows = [r for r in data.select_rows(cfg.data.cache, ["train"], cfg.data.devices) if r["label"] is not None]
+def labelled_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:
+    rows = [r for r in data.select_rows(cfg.data.cache, [split], cfg.data.devices) if r["label"] is not None]
     if not rows:
-        raise cli.UsageError(f"data.cache: {cfg.data.cache} has no labelled train rows for the supervised reference")
+        raise cli.UsageError(f"data.cache: {cfg.data.cache} has no labelled {split} rows for the supervised reference")
     return rows
 
 

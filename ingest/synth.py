@@ -426,8 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
-    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions, lesion_size=a.lesion_size,
-                      unlabeled=a.unlabeled,
+    cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions,
+                      lesion_size=a.lesion_size, unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
     counts = generate(a.out, cfg)

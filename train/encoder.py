@@ -77,7 +77,8 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
 
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
-    arch = typed.from_dict(ModelConfig, {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}, where="config.json architecture")
+    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem
+    arch = typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
     inp, norm = cfg["input"], cfg["normalization"]
     enc = Encoder(arch, inp["input_shape"])
     if state is not None:

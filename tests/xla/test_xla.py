@@ -34,7 +34,7 @@ def xla_env(devices: int = 1, tmp_cache=None) -> dict:
 
 def run_train(args, devices: int = 1, device: str = "xla", tmp_cache=None, timeout=900, status: int = 0):
     env = {**os.environ, **xla_env(devices, tmp_cache)}
-    # -X faulthandler: a crash inside the runtime (one SIGSEGV in 8 runs of the lockout test, 2026-11-23) leaves the Python stacks in stderr
+    # -X faulthandler: a crash inside the runtime (one SIGSEGV in 9 runs of the lockout test, 2026-11-23) leaves the Python stacks in stderr
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "train.pretrain", "--config", SMOKE, "--no-progress",
                         f"device={device}", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == status, (r.stdout + r.stderr)[-5000:]
