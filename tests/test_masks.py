@@ -116,3 +116,28 @@ def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
     assert b.patch.kernel_size == (4, 4, 4)
     with pytest.raises(ValueError, match="model.tubelet .* model.stem"):
         Encoder(ModelConfig(tubelet=(4, 6, 6), stem=(8, 8), dim=32, depth=1, heads=2), (16, 48, 48))
+
+
+def test_peak_pooled_tokens_read_a_small_lesion_alike_anywhere_in_its_tubelet():
+    """model.stem_pool=max: a bright voxel at two places inside one tubelet gives that token the
+    same peak features (the patchify's position-dependent weights zeroed to isolate them), while
+    the plain patchify tells the two places apart."""
+    import torch
+
+    from train.config import ModelConfig
+    from train.model import Encoder
+
+    def token(enc, where=None):
+        x = torch.zeros(1, 1, 8, 32, 32)
+        if where:
+            x[(0, 0, *where)] = 5.0
+        return enc.tokenize(x)[0, 0]
+
+    torch.manual_seed(0)
+    peak = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=(8,), stem_pool="max", dim=16, depth=1, heads=2), (8, 32, 32))
+    plain = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=(8,), dim=16, depth=1, heads=2), (8, 32, 32))
+    assert not torch.allclose(token(plain, (1, 4, 4)), token(plain, (2, 8, 10)))
+    with torch.no_grad():
+        peak.patch.weight.zero_()
+    a, b = token(peak, (1, 4, 4)), token(peak, (2, 8, 10))
+    assert torch.allclose(a, b, atol=1e-6) and not torch.allclose(a, token(peak), atol=1e-3)  # the dot is seen

@@ -29,6 +29,9 @@ class ModelConfig:
     # patchify; empty: the plain linear patchify of ViT. A lesion smaller than a tubelet moves
     # inside it, which a linear patchify cannot follow (docs/measurements.md, the learning check).
     stem: tuple[int, ...] = ()
+    # max: each token also gets a 1x1x1 projection of every stem channel's peak inside its tubelet
+    # (position-invariant detectors: a lesion smaller than a tubelet reads alike wherever it falls).
+    stem_pool: Literal["none", "max"] = "none"
     dim: int = 768
     depth: int = 12
     heads: int = 12

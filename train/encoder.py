@@ -28,7 +28,7 @@ FORMAT = "octfm-encoder"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-ARCH_KEYS = ("tubelet", "stem", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
+ARCH_KEYS = ("tubelet", "stem", "stem_pool", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
 
 
 class Embeddings(NamedTuple):
@@ -77,7 +77,7 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
 
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
-    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem
+    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem(_pool)
     arch = typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
     inp, norm = cfg["input"], cfg["normalization"]
     enc = Encoder(arch, inp["input_shape"])

@@ -115,7 +115,10 @@ class Encoder(nn.Module):
         self.grid = dataclasses.astuple(masks.grid_for(input_shape, cfg.tubelet))
         self.stem = conv_stem(cfg.stem)
         k = patch_kernel(cfg.tubelet, cfg.stem)
-        self.patch = nn.Conv3d(cfg.stem[-1] if cfg.stem else 1, cfg.dim, kernel_size=k, stride=k)
+        c = cfg.stem[-1] if cfg.stem else 1
+        self.patch = nn.Conv3d(c, cfg.dim, kernel_size=k, stride=k)
+        self.kernel = k
+        self.peak = nn.Conv3d(c, cfg.dim, kernel_size=1) if cfg.stem_pool == "max" else None
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
@@ -127,8 +130,18 @@ class Encoder(nn.Module):
     def num_tokens(self) -> int:
         return math.prod(self.grid)
 
+    def tokenize(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 1, D, H, W] -> [B, N, dim]: the patchify of the stem's responses, plus (with
+        `model.stem_pool: max`) a projection of each channel's peak inside the tubelet, which
+        reads alike wherever in the tubelet a small lesion falls."""
+        s = self.stem(x)
+        t = self.patch(s)
+        if self.peak is not None:
+            t = t + self.peak(F.max_pool3d(s, self.kernel))
+        return t.flatten(2).transpose(1, 2) + self.pos
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        t = self.patch(self.stem(x)).flatten(2).transpose(1, 2) + self.pos
+        t = self.tokenize(x)
         if idx is not None:
             t = gather_tokens(t, idx)
         for blk in self.blocks:
