@@ -132,7 +132,7 @@ def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0)
                 if plant:  # seeds apart from the training crops' (epoch, index) keys
                     x = torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
                                      for j, v in enumerate(x)])
-                pred.append(head(encode.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
+                pred.append(head(enc.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
                 start += k
         out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
     return out

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from octfm import config, fsio
 from train import checkpoint, encode
@@ -38,16 +37,14 @@ def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None 
 @torch.no_grad()
 def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu", batch: int = 4,
             progress=None) -> dict:
-    """Mean-pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16)."""
+    """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16), both pooled as
+    the encoder's `model.pool` says."""
     enc = enc.to(device)
     pooled, tokens = [], []
     for x, n in encode.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
         h = encode.tokens(enc, x.to(device))                                         # [b, N, d]
-        pooled.append(encode.pool(h).cpu())
-        g = enc.grid
-        grid = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *g)
-        grid = F.avg_pool3d(grid, kernel_size=tuple(token_pool), ceil_mode=True)
-        tokens.append(grid.flatten(2).transpose(1, 2).half().cpu())
+        pooled.append(enc.pool(h).cpu())
+        tokens.append(enc.pool_grid(h, token_pool).half().cpu())
         if progress:
             progress(n)
     return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(tokens).numpy()}

@@ -35,7 +35,7 @@ from train import checkpoint, metrics, pretrain
 from train.config import TrainConfig
 from train.run_folder import RunFolder
 
-COHORT = synth.SynthConfig(participants=1000, scale=4, seed=16, lesions=1.0, bad_files=False, unlabeled=0)
+COHORT = synth.SynthConfig(participants=1000, scale=4, seed=16, lesions=6.0, bad_files=False, unlabeled=0)
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 TARGET = 0.10        # pretrained minus random, binary task, with the paired interval above 0
 BINARY, MULTI = "diabetic", "study_group"

@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
     enc.train()
     for step, b in enumerate(dl, 1):
-        logits = head(encode.pool(enc(data.normalize(b["x"], b["aug"]))))
+        logits = head(enc.pool(enc(data.normalize(b["x"], b["aug"]))))
         loss = F.cross_entropy(logits, b["y"], weight=weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

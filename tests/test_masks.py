@@ -141,3 +141,27 @@ def test_peak_pooled_tokens_read_a_small_lesion_alike_anywhere_in_its_tubelet():
         peak.patch.weight.zero_()
     a, b = token(peak, (1, 4, 4)), token(peak, (2, 8, 10))
     assert torch.allclose(a, b, atol=1e-6) and not torch.allclose(a, token(peak), atol=1e-3)  # the dot is seen
+
+
+def test_max_pooling_reaches_every_reader_and_survives_export():
+    """model.pool=max: the pooled vector and the attentive probe's coarse tokens are maxima over
+    tokens, and a model folder's config.json rebuilds the same pooling (a mean would dilute a cue
+    held by one token of many)."""
+    import torch
+
+    from train import encoder as public
+    from train.config import ModelConfig
+    from train.model import Encoder
+
+    arch = {"tubelet": [4, 16, 16], "stem": [8], "stem_pool": "max", "pool": "max", "dim": 16, "depth": 1,
+            "heads": 2, "mlp_ratio": 4.0}
+    torch.manual_seed(0)
+    enc = Encoder(ModelConfig(**{**arch, "tubelet": (4, 16, 16), "stem": (8,)}), (8, 32, 64))
+    h = torch.randn(2, enc.num_tokens, 16)
+    assert torch.equal(enc.pool(h), h.amax(1)) and not torch.allclose(enc.pool(h), h.mean(1))
+    coarse = enc.pool_grid(h, (1, 2, 2))  # grid 2 x 2 x 4 -> 2 x 1 x 2
+    assert coarse.shape == (2, 4, 16) and torch.equal(coarse[:, 0], h[:, [0, 1, 4, 5]].amax(1))
+    folder = public.build({"architecture": arch, "input": {"stride": [1, 1, 1], "input_shape": [8, 32, 64]},
+                           "normalization": {"mean": 0.5, "std": 0.25}}, enc.state_dict())
+    out = folder(torch.randint(0, 255, (2, 8, 32, 64), dtype=torch.uint8))
+    assert torch.equal(out.pooled, out.tokens.amax(1))

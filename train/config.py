@@ -32,6 +32,10 @@ class ModelConfig:
     # max: each token also gets a 1x1x1 projection of every stem channel's peak inside its tubelet
     # (position-invariant detectors: a lesion smaller than a tubelet reads alike wherever it falls).
     stem_pool: Literal["none", "max"] = "none"
+    # How tokens pool into the one vector the probes, the online probe, the supervised reference and
+    # exported encoders read: the mean, or each channel's max (a cue in a few of hundreds of tokens,
+    # such as a handful of lesions, survives a max; a mean dilutes it by the token count).
+    pool: Literal["mean", "max"] = "mean"
     dim: int = 768
     depth: int = 12
     heads: int = 12

@@ -1,6 +1,6 @@
-"""A frozen encoder over cached volumes: centre crop, no augmentation, and the one pooling
-of token features into a vector. Shared by the online probe during pretraining and the
-probes' offline feature extraction, so both score the same features."""
+"""A frozen encoder over cached volumes: centre crop, no augmentation (the one pooling of
+token features into a vector is `Encoder.pool`). Shared by the online probe during
+pretraining and the probes' offline feature extraction, so both score the same features."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -40,7 +40,3 @@ def tokens(enc: Encoder, x_u8: torch.Tensor) -> torch.Tensor:
     aug = torch.tensor([[1.0, 0.0]], device=x_u8.device).expand(x_u8.shape[0], 2)
     return enc(data.normalize(x_u8, aug)).float()
 
-
-def pool(h: torch.Tensor) -> torch.Tensor:
-    """[b, N, d] token features -> [b, d]: the mean over tokens (every probe's pooled vector)."""
-    return h.mean(1)

@@ -3,7 +3,7 @@
     from train.encoder import load_encoder
     enc = load_encoder("models/vjepa_b")   # a torch.nn.Module in eval mode
     out = enc(volumes)                     # uint8 [B, D, H, W] as the cache stores them
-    out.pooled                             # [B, dim]: the mean over tokens (the probes' feature)
+    out.pooled                             # [B, dim]: the tokens pooled as `pool` says (the probes' feature)
     out.tokens                             # [B, N, dim]: one per tubelet of the token grid
 
 A model folder holds `model.safetensors` (the EMA target encoder's weights), `config.json`
@@ -28,7 +28,7 @@ FORMAT = "octfm-encoder"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-ARCH_KEYS = ("tubelet", "stem", "stem_pool", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
+ARCH_KEYS = ("tubelet", "stem", "stem_pool", "pool", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
 
 
 class Embeddings(NamedTuple):
@@ -66,7 +66,7 @@ class CachedVolumeEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, volumes: torch.Tensor) -> Embeddings:
         tokens = self.encoder(self.prepare(volumes)).float()
-        return Embeddings(encode.pool(tokens), tokens)  # the probes' and the online probe's pooling
+        return Embeddings(self.encoder.pool(tokens), tokens)  # the probes' and the online probe's pooling
 
 
 def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
@@ -77,7 +77,7 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
 
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
-    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem(_pool)
+    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem, stem_pool, pool
     arch = typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
     inp, norm = cfg["input"], cfg["normalization"]
     enc = Encoder(arch, inp["input_shape"])

@@ -119,6 +119,7 @@ class Encoder(nn.Module):
         self.patch = nn.Conv3d(c, cfg.dim, kernel_size=k, stride=k)
         self.kernel = k
         self.peak = nn.Conv3d(c, cfg.dim, kernel_size=1) if cfg.stem_pool == "max" else None
+        self.pooling = cfg.pool
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
@@ -129,6 +130,18 @@ class Encoder(nn.Module):
     @property
     def num_tokens(self) -> int:
         return math.prod(self.grid)
+
+    def pool(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, N, dim] token features -> [B, dim] as `model.pool` says (the one pooling every
+        probe, the online probe, the supervised reference and exported encoders use)."""
+        return h.amax(1) if self.pooling == "max" else h.mean(1)
+
+    def pool_grid(self, h: torch.Tensor, kernel) -> torch.Tensor:
+        """[B, N, dim] -> [B, N', dim]: the token grid pooled in blocks of `kernel` tokens, the same
+        kind of pooling as `pool` (the attentive probe's coarser tokens)."""
+        grid = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *self.grid)
+        fn = F.max_pool3d if self.pooling == "max" else F.avg_pool3d
+        return fn(grid, kernel_size=tuple(kernel), ceil_mode=True).flatten(2).transpose(1, 2)
 
     def tokenize(self, x: torch.Tensor) -> torch.Tensor:
         """[B, 1, D, H, W] -> [B, N, dim]: the patchify of the stem's responses, plus (with

@@ -114,7 +114,7 @@ class OnlineProbe:
         for x, n in self.inputs(split):
             with self.autocast():
                 h = encode.tokens(enc, x.to(self.device))
-            out.append(encode.pool(h).cpu()[:n])
+            out.append(enc.pool(h).cpu()[:n])
         return torch.cat(out).numpy()
 
     def __call__(self, enc: Encoder, step: int) -> dict:
