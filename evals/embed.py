@@ -45,7 +45,7 @@ def table_schema(dim: int, key: str) -> pa.Schema:
 def embed_key(ident: dict, cfg, cache: str) -> str:
     """What the embeddings depend on besides each volume's cache key."""
     blob = {"encoder": ident, "cache": cache, "stride": list(cfg.data.stride), "input": list(cfg.data.input_shape),
-            "pooling": "mean", "version": features.FEATURE_VERSION}
+            "pooling": cfg.model.pool, "version": features.FEATURE_VERSION}
     return config.content_key(blob)
 
 

@@ -69,7 +69,7 @@ def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) ->
         "input": {"dtype": "uint8", "layout": "B, D, H, W (cached volumes)", "stride": list(cfg.data.stride),
                   "crop": "centre", "input_shape": list(cfg.data.input_shape), "grid": list(grid)},
         "normalization": {"formula": "(x / 255 - mean) / std", "mean": data.PIXEL_MEAN, "std": data.PIXEL_STD},
-        "pooling": "mean over tokens",
+        "pooling": f"{cfg.model.pool} over tokens",
         "cache": cache,
         "training": {"run": cfg.name, "step": step, "checkpoint": ckpt, "max_steps": cfg.max_steps,
                      "batch_size": cfg.batch_size, "splits": cfg.data.splits, "devices": cfg.data.devices},

@@ -1,5 +1,5 @@
 """Many probe heads trained at once on frozen features: a grid of learning rate x weight
-decay for a linear probe (mean-pooled tokens) and an attentive probe (a learned query
+decay for a linear probe (the pooled tokens, `model.pool`) and an attentive probe (a learned query
 attends over the tokens). Heads share nothing, so one summed loss trains them all."""
 from __future__ import annotations
 
