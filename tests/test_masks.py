@@ -149,6 +149,7 @@ def test_max_pooling_reaches_every_reader_and_survives_export():
     held by one token of many)."""
     import torch
 
+    from octfm import config
     from train import encoder as public
     from train.config import ModelConfig
     from train.model import Encoder
@@ -156,7 +157,7 @@ def test_max_pooling_reaches_every_reader_and_survives_export():
     arch = {"tubelet": [4, 16, 16], "stem": [8], "stem_pool": "max", "pool": "max", "dim": 16, "depth": 1,
             "heads": 2, "mlp_ratio": 4.0}
     torch.manual_seed(0)
-    enc = Encoder(ModelConfig(**{**arch, "tubelet": (4, 16, 16), "stem": (8,)}), (8, 32, 64))
+    enc = Encoder(config.from_dict(ModelConfig, arch), (8, 32, 64))
     h = torch.randn(2, enc.num_tokens, 16)
     assert torch.equal(enc.pool(h), h.amax(1)) and not torch.allclose(enc.pool(h), h.mean(1))
     coarse = enc.pool_grid(h, (1, 2, 2))  # grid 2 x 2 x 4 -> 2 x 1 x 2

@@ -117,7 +117,6 @@ class Encoder(nn.Module):
         k = patch_kernel(cfg.tubelet, cfg.stem)
         c = cfg.stem[-1] if cfg.stem else 1
         self.patch = nn.Conv3d(c, cfg.dim, kernel_size=k, stride=k)
-        self.kernel = k
         self.peak = nn.Conv3d(c, cfg.dim, kernel_size=1) if cfg.stem_pool == "max" else None
         self.pooling = cfg.pool
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
@@ -150,7 +149,7 @@ class Encoder(nn.Module):
         s = self.stem(x)
         t = self.patch(s)
         if self.peak is not None:
-            t = t + self.peak(F.max_pool3d(s, self.kernel))
+            t = t + self.peak(F.max_pool3d(s, self.patch.kernel_size))
         return t.flatten(2).transpose(1, 2) + self.pos
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
