@@ -166,3 +166,40 @@ def test_max_pooling_reaches_every_reader_and_survives_export():
                            "normalization": {"mean": 0.5, "std": 0.25}}, enc.state_dict())
     out = folder(torch.randint(0, 255, (2, 8, 32, 64), dtype=torch.uint8))
     assert torch.equal(out.pooled, out.tokens.amax(1))
+
+
+def test_local_term_reads_each_context_token_own_tubelet_cells():
+    """loss.local: a bright voxel and a dark one show up in the max and min cells of the token
+    whose tubelet holds them (the patchify's order), at the cell where they sit; the term adds a
+    head and a gradient to the encoder, and a cell that does not divide the tubelet is refused."""
+    import torch
+
+    from train.config import LossConfig, ModelConfig
+    from train.model import JEPA, gather_tokens, local_cells
+
+    x = torch.zeros(1, 1, 8, 32, 64)            # grid 2 x 2 x 4 of 4 x 16 x 16 tubelets
+    x[0, 0, 5, 20, 37] = 3.0                    # token (1, 1, 2) = 1*8 + 1*4 + 2 = 14; cell (0, 1, 1)
+    x[0, 0, 2, 3, 60] = -2.0                    # token (0, 0, 3) = 3; cell (1, 0, 3)
+    cells = local_cells(x, (4, 16, 16), (2, 4, 4))
+    assert cells.shape == (1, 16, 64)
+    hi, lo = cells[0, :, :32], cells[0, :, 32:]
+    assert hi[14].reshape(2, 4, 4)[0, 1, 1] == 3.0 and hi.sum() == 3.0
+    assert lo[3].reshape(2, 4, 4)[1, 0, 3] == -2.0 and lo.sum() == -2.0
+
+    cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
+    torch.manual_seed(0)
+    plain, local = JEPA(cfg, (8, 32, 64)), JEPA(cfg, (8, 32, 64), LossConfig(local=1.0))
+    assert plain.local_head is None and local.local_head.out_features == 64
+    ctx, tgt = torch.tensor([[0, 3, 14, 15]]), torch.tensor([[1, 2]])
+    targets = torch.zeros(1, 16, 16)
+    loss = local(x, [(ctx, tgt, None)], targets)
+    loss.backward()
+    assert local.local_head.weight.grad.abs().sum() > 0
+    # the term is the head's L1 on the context tokens' own cells, on top of the latent loss
+    with torch.no_grad():
+        h = local.encoder(x, ctx)
+        latent = (local.predictor(h, ctx, tgt) - gather_tokens(targets, tgt)).abs().mean()
+        term = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean()
+    assert torch.allclose(loss, latent + term, atol=1e-6)
+    with pytest.raises(ValueError, match="loss.local_cell"):
+        JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))

@@ -66,6 +66,17 @@ class MaskConfig:
 
 
 @dataclasses.dataclass
+class LossConfig:
+    """Terms of the pretraining loss beside the latent prediction (which is always on)."""
+    # Weight of the local term: each context token's output also reconstructs (one linear head,
+    # L1) the max and the min of its own tubelet's voxels in cells of `local_cell`, so the
+    # encoder must keep small bright and dark detail that a latent target may drop (README,
+    # Learning check, decision 6). 0: off, and the model has no such head.
+    local: float = 0.0
+    local_cell: tuple[int, int, int] = (2, 4, 4)
+
+
+@dataclasses.dataclass
 class OptimConfig:
     lr: float = 6e-4
     start_lr: float = 2e-5
@@ -121,6 +132,7 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mask: MaskConfig = dataclasses.field(default_factory=MaskConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     online_probe: OnlineProbeConfig = dataclasses.field(default_factory=OnlineProbeConfig)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from train import masks
-from train.config import ModelConfig
+from train.config import LossConfig, ModelConfig
 
 
 def sincos_1d(n: int, dim: int) -> torch.Tensor:
@@ -188,24 +188,63 @@ class Predictor(nn.Module):
         return self.out(self.norm(x[:, c.shape[1]:]))
 
 
+def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
+    per = tuple(t // c for t, c in zip(tubelet, cell))
+    if any(p * c != t for p, c, t in zip(per, cell, tubelet)):
+        raise ValueError(f"loss.local_cell {list(cell)} does not divide model.tubelet {list(tubelet)}")
+    return per
+
+
+def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
+    """[B, 1, D, H, W] -> [B, N, 2 * cells per tubelet]: per token (in the patchify's order), the
+    max and then the min of its tubelet's voxels in each `cell` block: where a bright dot or a
+    dark pocket sits inside the tubelet, at the cell's resolution."""
+    per = cells_per_tubelet(tubelet, cell)
+    b = x.shape[0]
+    grid = [s // t for s, t in zip(x.shape[2:], tubelet)]
+    maps = []
+    for m in (F.max_pool3d(x, cell), -F.max_pool3d(-x, cell)):
+        m = m.reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
+        maps.append(m.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, math.prod(grid), math.prod(per)))
+    return torch.cat(maps, dim=-1)
+
+
 class JEPA(nn.Module):
     """The trained student: context encoder + predictor. The loss for each mask set is L1
-    between predictions and the target encoder's layer-normed features at the target tokens."""
+    between predictions and the target encoder's layer-normed features at the target tokens,
+    plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head reading each context
+    token's own tubelet cells (`local_cells`) from its output."""
 
-    def __init__(self, cfg: ModelConfig, input_shape):
+    def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
         super().__init__()
         self.encoder = Encoder(cfg, input_shape)
         self.predictor = Predictor(cfg, self.encoder.grid)
+        self.tubelet = tuple(cfg.tubelet)
+        self.local_weight, self.local_cell, self.local_head = 0.0, None, None
+        if loss is not None and loss.local > 0:
+            self.local_cell = tuple(loss.local_cell)
+            cells = 2 * math.prod(cells_per_tubelet(cfg.tubelet, self.local_cell))
+            self.local_weight = loss.local
+            self.local_head = nn.Linear(cfg.dim, cells)
+            _init_weights(self.local_head)
 
     def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                 targets: torch.Tensor) -> torch.Tensor:
         """`masks`: (context ids, target ids, context validity or None) per mask set."""
+        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.local_cell)
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:
             ctx = self.encoder(x, ctx_idx, ctx_valid)
             pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
-            losses.append((pred.float() - tgt.float()).abs().mean())
+            loss = (pred.float() - tgt.float()).abs().mean()
+            if cells is not None:
+                err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
+                if ctx_valid is not None:  # a padded context: only its real tokens count
+                    w = ctx_valid.float()
+                    err = err * w * (w.numel() / w.sum().clamp_min(1.0))
+                loss = loss + self.local_weight * err.mean()
+            losses.append(loss)
         return torch.stack(losses).mean()
 
 

@@ -147,7 +147,7 @@ class Trainer:
                                  f"and devices {cfg.data.devices}")
         self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
         self.sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
-        self.model = JEPA(cfg.model, cfg.data.input_shape)
+        self.model = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
         self.target = copy.deepcopy(self.model.encoder).requires_grad_(False)
         self.model.to(rt.device)
         self.target.to(rt.device)
