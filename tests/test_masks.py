@@ -201,5 +201,8 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         latent = (local.predictor(h, ctx, tgt) - gather_tokens(targets, tgt)).abs().mean()
         term = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean()
     assert torch.allclose(loss, latent + term, atol=1e-6)
+    ablation = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, local=1.0))  # loss.latent=0: the local term alone
+    ablation.load_state_dict(local.state_dict())
+    assert torch.allclose(ablation(x, [(ctx, tgt, None)], targets), term, atol=1e-6)
     with pytest.raises(ValueError, match="loss.local_cell"):
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))

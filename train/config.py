@@ -67,7 +67,10 @@ class MaskConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    """Terms of the pretraining loss beside the latent prediction (which is always on)."""
+    """The terms of the pretraining loss and their weights."""
+    # Weight of the latent prediction (V-JEPA's term). 0 leaves only the local term: an ablation
+    # that says what the latent prediction adds (the predictor then gets zero gradients).
+    latent: float = 1.0
     # Weight of the local term: each context token's output also reconstructs (one linear head,
     # L1) the max and the min of its own tubelet's voxels in cells of `local_cell`, so the
     # encoder must keep small bright and dark detail that a latent target may drop (README,

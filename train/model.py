@@ -210,16 +210,17 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
 
 
 class JEPA(nn.Module):
-    """The trained student: context encoder + predictor. The loss for each mask set is L1
-    between predictions and the target encoder's layer-normed features at the target tokens,
-    plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head reading each context
-    token's own tubelet cells (`local_cells`) from its output."""
+    """The trained student: context encoder + predictor. The loss for each mask set is
+    `loss.latent` x the L1 between predictions and the target encoder's layer-normed features
+    at the target tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
+    reading each context token's own tubelet cells (`local_cells`) from its output."""
 
     def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
         super().__init__()
         self.encoder = Encoder(cfg, input_shape)
         self.predictor = Predictor(cfg, self.encoder.grid)
         self.tubelet = tuple(cfg.tubelet)
+        self.latent_weight = 1.0 if loss is None else loss.latent
         self.local_weight, self.local_cell, self.local_head = 0.0, None, None
         if loss is not None and loss.local > 0:
             self.local_cell = tuple(loss.local_cell)
@@ -237,7 +238,7 @@ class JEPA(nn.Module):
             ctx = self.encoder(x, ctx_idx, ctx_valid)
             pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
-            loss = (pred.float() - tgt.float()).abs().mean()
+            loss = self.latent_weight * (pred.float() - tgt.float()).abs().mean()
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
                 if ctx_valid is not None:  # a padded context: only its real tokens count
