@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from octfm.config import ConfigError
 from train import masks as M
 from train.config import MaskConfig, MaskSetConfig
 
@@ -114,7 +115,7 @@ def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
     a, b = Encoder(plain, (16, 48, 48)), Encoder(stem, (16, 48, 48))
     assert a.grid == b.grid and b(x).shape == a(x).shape == (2, 4 * 3 * 3, 32)
     assert b.patch.kernel_size == (4, 4, 4)
-    with pytest.raises(ValueError, match="model.tubelet .* model.stem"):
+    with pytest.raises(ConfigError, match="model.tubelet .* model.stem"):
         Encoder(ModelConfig(tubelet=(4, 6, 6), stem=(8, 8), dim=32, depth=1, heads=2), (16, 48, 48))
 
 
@@ -204,5 +205,5 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
     ablation = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, local=1.0))  # loss.latent=0: the local term alone
     ablation.load_state_dict(local.state_dict())
     assert torch.allclose(ablation(x, [(ctx, tgt, None)], targets), term, atol=1e-6)
-    with pytest.raises(ValueError, match="loss.local_cell"):
+    with pytest.raises(ConfigError, match="loss.local_cell"):
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from octfm.config import ConfigError
 from train import masks
 from train.config import LossConfig, ModelConfig
 
@@ -101,7 +102,7 @@ def patch_kernel(tubelet, stem) -> tuple[int, int, int]:
     """The patchify's kernel after the stem's strides: the tubelet, divided."""
     k = [t // s ** len(stem) for t, s in zip(tubelet, STEM_STRIDE)]
     if any(kk * s ** len(stem) != t for kk, s, t in zip(k, STEM_STRIDE, tubelet)):
-        raise ValueError(f"model.tubelet {list(tubelet)} is not divisible by the strides of model.stem "
+        raise ConfigError(f"model.tubelet {list(tubelet)} is not divisible by the strides of model.stem "
                          f"({len(stem)} x {list(STEM_STRIDE)})")
     return tuple(k)
 
@@ -191,7 +192,7 @@ class Predictor(nn.Module):
 def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
     per = tuple(t // c for t, c in zip(tubelet, cell))
     if any(p * c != t for p, c, t in zip(per, cell, tubelet)):
-        raise ValueError(f"loss.local_cell {list(cell)} does not divide model.tubelet {list(tubelet)}")
+        raise ConfigError(f"loss.local_cell {list(cell)} does not divide model.tubelet {list(tubelet)}")
     return per
 
 
