@@ -205,5 +205,11 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
     ablation = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, local=1.0))  # loss.latent=0: the local term alone
     ablation.load_state_dict(local.state_dict())
     assert torch.allclose(ablation(x, [(ctx, tgt, None)], targets), term, atol=1e-6)
+    # a padded context: the padding slot (token 15, marked invalid) does not count in the term
+    valid = torch.tensor([[True, True, True, False]])
+    with torch.no_grad():
+        h = local.encoder(x, ctx, valid)
+        term_valid = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean(-1)[:, :3].mean()
+        assert torch.allclose(ablation(x, [(ctx, tgt, valid)], targets), term_valid, atol=1e-6)
     with pytest.raises(ConfigError, match="loss.local_cell"):
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))

@@ -190,6 +190,7 @@ class Predictor(nn.Module):
 
 
 def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
+    """How many `cell` blocks fit along each axis of a tubelet (they must tile it)."""
     per = tuple(t // c for t, c in zip(tubelet, cell))
     if any(p * c != t for p, c, t in zip(per, cell, tubelet)):
         raise ConfigError(f"loss.local_cell {list(cell)} does not divide model.tubelet {list(tubelet)}")
@@ -202,7 +203,7 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
     dark pocket sits inside the tubelet, at the cell's resolution."""
     per = cells_per_tubelet(tubelet, cell)
     b = x.shape[0]
-    grid = [s // t for s, t in zip(x.shape[2:], tubelet)]
+    grid = dataclasses.astuple(masks.grid_for(x.shape[2:], tubelet))
     maps = []
     for m in (F.max_pool3d(x, cell), -F.max_pool3d(-x, cell)):
         m = m.reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
@@ -221,31 +222,26 @@ class JEPA(nn.Module):
         self.encoder = Encoder(cfg, input_shape)
         self.predictor = Predictor(cfg, self.encoder.grid)
         self.tubelet = tuple(cfg.tubelet)
-        self.latent_weight = 1.0 if loss is None else loss.latent
-        self.local_weight, self.local_cell, self.local_head = 0.0, None, None
-        if loss is not None and loss.local > 0:
-            self.local_cell = tuple(loss.local_cell)
-            cells = 2 * math.prod(cells_per_tubelet(cfg.tubelet, self.local_cell))
-            self.local_weight = loss.local
-            self.local_head = nn.Linear(cfg.dim, cells)
+        self.loss = loss or LossConfig()
+        self.local_head = None
+        if self.loss.local > 0:
+            self.local_head = nn.Linear(cfg.dim, 2 * math.prod(cells_per_tubelet(cfg.tubelet, self.loss.local_cell)))
             _init_weights(self.local_head)
 
     def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                 targets: torch.Tensor) -> torch.Tensor:
         """`masks`: (context ids, target ids, context validity or None) per mask set."""
-        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.local_cell)
+        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell)
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:
             ctx = self.encoder(x, ctx_idx, ctx_valid)
             pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
-            loss = self.latent_weight * (pred.float() - tgt.float()).abs().mean()
+            loss = self.loss.latent * (pred.float() - tgt.float()).abs().mean()
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
-                if ctx_valid is not None:  # a padded context: only its real tokens count
-                    w = ctx_valid.float()
-                    err = err * w * (w.numel() / w.sum().clamp_min(1.0))
-                loss = loss + self.local_weight * err.mean()
+                w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # padding slots do not count
+                loss = loss + self.loss.local * (err * w).sum() / w.sum().clamp_min(1.0)
             losses.append(loss)
         return torch.stack(losses).mean()
 
