@@ -263,10 +263,16 @@ class SynthConfig:
     placeholders: bool = False   # tables and empty files only (no pixels): load tests of listing and manifest
 
 
+META_STREAM = 0x1D5  # the participant table's own random stream (IDs, ages)
+
+
 def _participants(cfg: SynthConfig) -> pd.DataFrame:
     from manifests.splits import stratified_split
 
-    ids = [str(1001 + i) for i in range(cfg.participants)]
+    # IDs and ages come from a stream of their own, so they carry nothing of the row order that
+    # sets the label (i mod 4) and the device, and the volumes (drawn from `seed`) stay as they were
+    meta = np.random.default_rng([cfg.seed, META_STREAM])
+    ids = [str(1001 + j) for j in meta.permutation(cfg.participants)]
     groups = [STUDY_GROUPS[i % 4] for i in range(cfg.participants)]
     for i in range(min(cfg.unlabeled, cfg.participants)):
         groups[-1 - i] = ""
@@ -274,7 +280,7 @@ def _participants(cfg: SynthConfig) -> pd.DataFrame:
         "participant_id": ids,
         "clinical_site": [SITES[i % 3] for i in range(cfg.participants)],
         "study_group": groups,
-        "age": [str(40 + (i * 7) % 40) for i in range(cfg.participants)],
+        "age": [str(a) for a in meta.integers(40, 80, cfg.participants)],
         "study_visit_date": ["2023-05-01"] * cfg.participants,
     })
     labels = pd.Series([STUDY_GROUPS.index(g) if g else None for g in groups], dtype="Int8")
