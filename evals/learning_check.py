@@ -62,11 +62,16 @@ class Stages:
         return out
 
 
+# What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
+COHORT_CODE = ("ingest/synth.py",)
+RECIPE_CODE = ("train", "evals", "octfm", "cache", "manifests")
+
+
 def cohort(root: Path, participants: int) -> str:
-    """The generated cohort, written once per generator config (a marker names it)."""
+    """The generated cohort, written once per generator config and generator code (a marker names both)."""
     cfg = dataclasses.replace(COHORT, participants=participants)
     marker = root / "cohort.json"
-    want = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    want = json.dumps({**dataclasses.asdict(cfg), "code": config.source_digest(*COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
         counts = synth.generate(root, cfg)
         print(f"learning-check: cohort of {participants} participants, {counts['good']} volumes in {root}")
@@ -83,9 +88,9 @@ def build_cache(source: str, cache: Path) -> str:
 
 
 def recipe_name(config_path: str, cache: str, overrides: Sequence[str]) -> str:
-    """A run name per recipe and cache, so a changed ARGS or SOURCE trains afresh and an
-    unchanged one resumes."""
-    blob = "\n".join([Path(config_path).read_text(), cache, *overrides])
+    """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (train/, evals/
+    and what they stand on) trains afresh and an unchanged one resumes."""
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, config.source_digest(*RECIPE_CODE)])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 

@@ -52,3 +52,38 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     res2 = json.loads((out / "result.json").read_text())
     assert res2["features_reused"] == {"pretrained": True, "random_init": True}
     assert res2["tasks"] == res["tasks"]
+
+
+def test_kept_results_are_keyed_on_the_code(tmp_path):
+    """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
+    instead of answering "nothing to do" from runs older code made) and editing the generator
+    makes the cohort afresh; unedited, both are reused."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "data", "runs", "tests", "__pycache__",
+                                                              "*.egg-info"))
+    probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
+             "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
+             "lc.cohort(Path(sys.argv[1]), 4)")
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cohort")], cwd=copy, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        name, said = r.stdout.splitlines()[0], r.stdout.splitlines()[-1]
+        return name, said.endswith("reused")
+
+    first, _ = run()
+    assert run() == (first, True)                                    # nothing changed: both reused
+    with open(copy / "train" / "model.py", "a") as f:
+        f.write("\n# an edit\n")
+    second, reused = run()
+    assert second != first and reused                                # a trainer edit: a new run, the same cohort
+    with open(copy / "ingest" / "synth.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert run() == (second, False)                                  # a generator edit: the cohort anew
