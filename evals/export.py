@@ -23,6 +23,7 @@ from manifests import layout
 from octfm import cli, config, fsio
 from train import data, encoder
 from train.config import TrainConfig
+from train.model import objective
 from train.run_folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +71,7 @@ def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) ->
                   "crop": "centre", "input_shape": list(cfg.data.input_shape), "grid": list(grid)},
         "normalization": {"formula": "(x / 255 - mean) / std", "mean": data.PIXEL_MEAN, "std": data.PIXEL_STD},
         "pooling": f"{cfg.model.pool} over tokens",
+        "loss": {**config.to_dict(cfg.loss), "objective": objective(cfg.loss)},
         "cache": cache,
         "training": {"run": cfg.name, "step": step, "checkpoint": ckpt, "max_steps": cfg.max_steps,
                      "batch_size": cfg.batch_size, "splits": cfg.data.splits, "devices": cfg.data.devices},
@@ -92,7 +94,8 @@ def model_card(conf: dict, probes: tuple[str, dict]) -> str:
     t, a, c = conf["training"], conf["architecture"], conf["cache"]
     vols = c.get("training_volumes") or {}
     lines = [
-        f"# {t['run']}: a V-JEPA 3D ViT encoder for retinal OCT (octfm)", "",
+        f"# {t['run']}: a 3D ViT encoder for retinal OCT (octfm)", "",
+        f"Pretrained with: {conf['loss']['objective']}.", "",
         "```python", "from train.encoder import load_encoder", "enc = load_encoder('<this folder>')",
         "out = enc(volumes)  # uint8 [B, D, H, W] cached volumes -> out.pooled [B, dim], out.tokens [B, N, dim]", "```",
         "",
@@ -144,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     conf = export(a.ckpt, a.out, a.cache)
     arch = conf["architecture"]
     print(f"export: {a.ckpt} (step {conf['training']['step']}) -> {a.out}: {encoder.WEIGHTS_FILE} (dim {arch['dim']}, "
-          f"depth {arch['depth']}, grid {conf['input']['grid']}), {encoder.CONFIG_FILE}, README.md in "
+          f"depth {arch['depth']}, grid {conf['input']['grid']}; pretrained with {conf['loss']['objective']}), "
+          f"{encoder.CONFIG_FILE}, README.md in "
           f"{time.perf_counter() - t0:.1f}s. Load it with: from train.encoder import load_encoder; "
           f"load_encoder({a.out!r})")
     return 0

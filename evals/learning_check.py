@@ -33,6 +33,7 @@ from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
 from train import checkpoint, metrics, pretrain
 from train.config import TrainConfig
+from train.model import objective
 from train.run_folder import RunFolder
 
 COHORT = synth.SynthConfig(participants=1000, scale=4, seed=16, lesions=6.0, bad_files=False, unlabeled=0)
@@ -183,7 +184,8 @@ def _f(v) -> str:
 
 def markdown(result: dict) -> str:
     lines = ["# Learning check", "", result["verdict"], "",
-             f"Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` (step {result['step']}). "
+             f"Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` (step {result['step']}; "
+             f"objective: {result.get('objective', 'not recorded')}). "
              f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); the difference "
              "is paired (both encoders scored on each resample).", ""]
     for task, t in result["tasks"].items():
@@ -287,6 +289,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         reference = {t: reference_row(t, sup_res["results"][t], sup_preds[t], sup_preds["rows"], n_boot, pcfg.seed)
                      for t in (MULTI, BINARY)}
     result = {"source": source, "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": res["step"],
+              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
               "overrides": list(overrides), "bootstrap": n_boot, "target": TARGET,
               "features_reused": res["features_reused"],
               "tasks": {t: compare(t, res["results"][t], preds[t], preds["rows"], n_boot, pcfg.seed)

@@ -74,3 +74,23 @@ def test_export_loads_in_a_fresh_process_and_embeds_like_the_checkpoint(tiny_run
 def test_make_export_without_ckpt_is_a_usage_error():
     r = subprocess.run(["make", "-s", "export"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "set CKPT=" in r.stderr
+
+
+def test_export_names_an_objective_that_is_not_plain_vjepa(tiny_cache, tmp_path):
+    """A checkpoint trained with the local term (the learning check's recipe) exports a `loss`
+    block and a model card that say so, not "a V-JEPA 3D ViT encoder" alone."""
+    from conftest import tiny_train_args
+
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", name="local", max_steps=2, ckpt_every=2,
+                           **{"loss.local": 1.0})
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "objective: V-JEPA latent prediction + local intensity term" in r.stdout
+    out = tmp_path / "model"
+    r = run_cli("evals.export", "--ckpt", str(tmp_path / "runs" / "local" / "checkpoints" / "latest.pt"), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    loss = json.loads((out / "config.json").read_text())["loss"]
+    assert loss["local"] == 1.0 and loss["latent"] == 1.0
+    assert loss["objective"] == "V-JEPA latent prediction + local intensity term (tubelet max/min cells), weights 1 / 1"
+    card = (out / "README.md").read_text()
+    assert "a V-JEPA 3D ViT encoder" not in card and f"Pretrained with: {loss['objective']}." in card

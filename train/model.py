@@ -211,6 +211,17 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
     return torch.cat(maps, dim=-1)
 
 
+def objective(loss: LossConfig) -> str:
+    """The pretraining objective in words, for run summaries, exported config.json and model
+    cards: a run with the local term is not plain V-JEPA and must not be called so."""
+    latent, local = "V-JEPA latent prediction", "local intensity term (tubelet max/min cells)"
+    if loss.local <= 0:
+        return latent if loss.latent == 1 else f"{latent}, weight {loss.latent:g}"
+    if loss.latent <= 0:
+        return f"{local} only (no latent prediction), weight {loss.local:g}"
+    return f"{latent} + {local}, weights {loss.latent:g} / {loss.local:g}"
+
+
 class JEPA(nn.Module):
     """The trained student: context encoder + predictor. The loss for each mask set is
     `loss.latent` x the L1 between predictions and the target encoder's layer-normed features

@@ -22,7 +22,7 @@ from octfm import cli, config, fsio
 from train import checkpoint, data, masks, metrics, online_probe, run_folder, runtime, schedule
 from train.run_folder import RunFolder
 from train.config import TrainConfig
-from train.model import JEPA, Encoder, target_features
+from train.model import JEPA, Encoder, objective, target_features
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: no weight decay on biases, norms and the mask token (1-D parameters)."""
@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from scratch"
         print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
               f"tokens ctx/tgt per set {[(s.context_cells * trainer.grid.depth, s.target_cells * trainer.grid.depth) for s in trainer.sizes]}, "
-              f"{where}")
+              f"{where}; objective: {objective(cfg.loss)}")
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
