@@ -34,10 +34,12 @@ def probe_rows(cfg: TrainConfig) -> dict[str, list[dict]]:
 
 
 def knn_predict(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, k: int, classes: int) -> np.ndarray:
-    """Cosine k-NN on features centred by the train mean; each neighbour's vote is weighted by
-    1 / its class's train count, so the majority class does not win by numbers alone."""
-    mu = train_x.mean(0)
-    a, b = train_x - mu, test_x - mu
+    """Cosine k-NN on features standardised per channel by the train rows (as ridge and the
+    offline probes see them: a few large channels of max-pooled features, not the cue, would
+    otherwise decide every neighbour); each neighbour's vote is weighted by 1 / its class's
+    train count, so the majority class does not win by numbers alone."""
+    mu, sd = train_x.mean(0), train_x.std(0) + 1e-6
+    a, b = (train_x - mu) / sd, (test_x - mu) / sd
     a /= np.linalg.norm(a, axis=1, keepdims=True) + 1e-8
     b /= np.linalg.norm(b, axis=1, keepdims=True) + 1e-8
     k = min(k, len(a))

@@ -316,8 +316,10 @@ class Trainer:
             return
         rec = self._probe(self.target, self.step)
         log.log(rec, prefix="probe")
-        postfix.update({f"knn_{t}": "n/a" if v is None else f"{v:.3f}"
-                        for t, v in ((k.split("/")[0], v) for k, v in rec.items() if k.endswith("/knn_bal_acc"))})
+        # the ridge score leads (it tracked the offline probes in the learning check; k-NN did not); k-NN when ridge is off
+        kind = "ridge" if any(k.endswith("/ridge_bal_acc") for k in rec) else "knn"
+        postfix.update({f"{kind}_{t}": "n/a" if v is None else f"{v:.3f}"
+                        for t, v in ((k.split("/")[0], v) for k, v in rec.items() if k.endswith(f"/{kind}_bal_acc"))})
 
     def _loop(self, log: metrics.MetricsLog, bar) -> dict:
         cfg, rt = self.cfg, self.rt
