@@ -60,16 +60,30 @@ LAYERS = (
 VITREOUS, SCLERA = 0.04, 0.15
 LAYER_INDEX = {name: i for i, (name, _, _) in enumerate(LAYERS)}
 
-# The learning-check cohort's class cue: local lesions in the macula, as a researcher would look
-# for them in diabetic retinopathy. Hyperreflective foci (small bright dots in the inner retina)
-# and intraretinal fluid cysts (dark pockets in the INL/OPL) whose expected number per eye grows
-# with the study-group label (0 healthy ... 3 insulin dependent). Healthy eyes have some too, and
-# counts are Poisson, so single eyes overlap between classes (a subtle cue, not a give-away).
+# The learning-check cohorts' class cues (SynthConfig.lesions, SynthConfig.layers).
+# Lesions: local, in the macula, as a researcher would look for them in diabetic retinopathy.
+# Hyperreflective foci (small bright dots in the inner retina) and intraretinal fluid cysts (dark
+# pockets in the INL/OPL) whose expected number per eye grows with the study-group label (0
+# healthy ... 3 insulin dependent). Healthy eyes have some too, and counts are Poisson, so single
+# eyes overlap between classes (a subtle cue, not a give-away). Rendered as OCT renders them: a
+# lesion scales the reflectivity of the tissue it sits in by a contrast drawn per lesion (so a
+# focus in a dark layer stays darker than one in a bright layer), with a Gaussian partial-volume
+# edge rather than a plateau, before the speckle multiplies lesion and tissue alike; each
+# lesion's size is drawn from a range.
 FOCI_PER_EYE = (1.5, 2.5, 3.5, 4.5)
 CYSTS_PER_EYE = (0.3, 0.6, 0.9, 1.2)
 FOCUS_RADII = (0.12, 0.06, 0.018)     # frames (y), columns (x), depth (z): fractions of the [-1,1] / [0,1] axes
 CYST_RADII = (0.18, 0.09, 0.02)
-FOCUS_LEVEL, CYST_LEVEL = 0.95, 0.05   # reflectivity inside (RPE-bright dots, fluid-dark pockets)
+FOCUS_CONTRAST = (0.8, 1.6)           # relative change of the layer's reflectivity at a focus centre
+CYST_CONTRAST = (-0.9, -0.6)          # ... and at a cyst centre (fluid is dark)
+LESION_SIZE = (0.6, 1.6)              # each lesion's radii x a factor drawn log-uniformly from this range
+LESION_EDGE = 4.0                     # the profile exp(-1.5 d^2) is cut at d^2 = 4 (2 radii; < 0.3% left)
+# Layers: the inner nuclear layer thickens by `layers` x label (relative, at the peak) over a
+# Gaussian patch of the macula (radius 0.35-0.6 of the half-width: many B-scans and columns),
+# placed at random per eye; the outer nuclear layer below thins by as much, so the retina's total
+# thickness, and with it the global statistics, carry nothing of the label. A masked block of
+# the patch can be predicted from the visible rest of it: the cue V-JEPA's latent term should learn.
+BUMP_RADIUS = (0.35, 0.6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +92,7 @@ class Lesion:
     x: float                  # column coordinate in [-1, 1]
     layer: str                # centred in this layer's depth at (y, x)
     radii: tuple[float, float, float]
-    level: float              # reflectivity the lesion blends towards
+    contrast: float           # relative change of the surrounding reflectivity at the centre
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +101,7 @@ class Eye:
     lesions: tuple[Lesion, ...] = ()
     thickness: float = 1.0    # every layer's thickness scaled by this
     offset: float = 0.0       # added to the reflectivity before speckle (global brightness)
+    inl_bump: tuple[float, float, float, float] | None = None  # (y, x, radius, relative INL thickening at the peak)
 
 
 def _macula_point(rng: np.random.Generator) -> tuple[float, float]:
@@ -102,35 +117,45 @@ def _scaled(radii: tuple[float, float, float], size: float) -> tuple[float, floa
     return tuple(r * size for r in radii)
 
 
-def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0, size: float = 1.0) -> Eye:
+def _lesion(rng: np.random.Generator, layers: list[str], radii, contrast: tuple[float, float], size: float) -> Lesion:
+    y, x = _macula_point(rng)
+    layer = str(rng.choice(layers))
+    factor = size * float(np.exp(rng.uniform(*np.log(LESION_SIZE))))
+    return Lesion(y, x, layer, _scaled(radii, factor), float(rng.uniform(*contrast)))
+
+
+def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0, size: float = 1.0,
+               layers: float = 0.0) -> Eye:
     """An eye of the cohort: lesion counts from the label (`lesions` scales the rates' growth
-    with the label; 0: every class like healthy; `size` scales every lesion's radii),
-    thickness and brightness independent of it."""
+    with the label; 0: every class like healthy; `size` scales every lesion's radii), a patch
+    of thicker inner nuclear layer growing with the label when `layers` > 0, and thickness and
+    brightness independent of it."""
     lab = 0 if label is None else int(label)
     rate = lambda table: table[0] + lesions * (table[lab] - table[0])  # noqa: E731
-    items = []
-    for _ in range(rng.poisson(rate(FOCI_PER_EYE))):
+    items = [_lesion(rng, ["gcl_ipl", "inl", "opl"], FOCUS_RADII, FOCUS_CONTRAST, size)
+             for _ in range(rng.poisson(rate(FOCI_PER_EYE)))]
+    items += [_lesion(rng, ["inl", "opl"], CYST_RADII, CYST_CONTRAST, size)
+              for _ in range(rng.poisson(rate(CYSTS_PER_EYE)))]
+    eye = Eye(tuple(items), thickness=float(rng.uniform(0.85, 1.15)), offset=float(rng.uniform(-0.04, 0.04)))
+    if layers:
         y, x = _macula_point(rng)
-        items.append(Lesion(y, x, str(rng.choice(["gcl_ipl", "inl", "opl"])), _scaled(FOCUS_RADII, size), FOCUS_LEVEL))
-    for _ in range(rng.poisson(rate(CYSTS_PER_EYE))):
-        y, x = _macula_point(rng)
-        items.append(Lesion(y, x, str(rng.choice(["inl", "opl"])), _scaled(CYST_RADII, size), CYST_LEVEL))
-    return Eye(tuple(items), thickness=float(rng.uniform(0.85, 1.15)), offset=float(rng.uniform(-0.04, 0.04)))
+        eye = dataclasses.replace(eye, inl_bump=(y, x, float(rng.uniform(*BUMP_RADIUS)), layers * lab))
+    return eye
 
 
 def _paint_lesions(img: np.ndarray, lesions, yf: float, x: np.ndarray, z: np.ndarray, bounds_f: np.ndarray) -> np.ndarray:
-    """Blend each lesion crossing frame coordinate `yf` into the reflectivity image [R, C]
-    (full level over the inner half of the ellipsoid, fading to none at its edge)."""
+    """Scale the reflectivity image [R, C] by each lesion crossing frame coordinate `yf`: by
+    1 + contrast at its centre, with a Gaussian partial-volume profile around it."""
     for les in lesions:
         ry, rx, rz = les.radii
         dy = ((yf - les.y) / ry) ** 2
-        if dy >= 1:
+        if dy >= LESION_EDGE:
             continue
         k = LAYER_INDEX[les.layer]
         zc = (bounds_f[:, k] + bounds_f[:, k + 1]) / 2                               # [C] layer middle
         d2 = dy + ((x[0] - les.x) / rx)[None, :] ** 2 + ((z[:, None] - zc[None, :]) / rz) ** 2
-        w = np.clip(2.0 * (1.0 - d2), 0.0, 1.0)
-        img = img * (1 - w) + les.level * w
+        w = np.where(d2 < LESION_EDGE, np.exp(-1.5 * d2), 0.0)
+        img = img * (1.0 + les.contrast * w)
     return img
 
 
@@ -158,7 +183,7 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
     fovea = np.exp(-r2 / 0.03)
     tilt = rng.uniform(-0.04, 0.04)
     surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + tilt * x + 0.035 * fovea + rng.uniform(-0.03, 0.03)
-    thick = []
+    thick, moved = [], 0.0
     for name, t, _ in LAYERS:
         t = np.full_like(surface, t)
         if name == "rnfl":
@@ -167,6 +192,12 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
             t = t * (1 - 0.85 * fovea)
         if name == "inl" and signal and label is not None:
             t = t + signal * 0.012 * label
+        if name == "inl" and eye.inl_bump is not None:   # the layers cue: thicker INL, thinner ONL, same total
+            by, bx, br, amp = eye.inl_bump
+            moved = t * amp * np.exp(-((x - bx) ** 2 + (y - by) ** 2) / (2 * br ** 2))
+            t = t + moved
+        elif name == "onl":
+            t = t - moved
         thick.append(t * eye.thickness)
     bounds = surface[..., None] + np.cumsum(np.stack(thick, -1), -1)           # [F, C, L]
     bounds = np.concatenate([surface[..., None], bounds], -1)                   # [F, C, L+1]
@@ -255,6 +286,7 @@ class SynthConfig:
     signal: float = 0.0          # planted class cue strength (0: none)
     lesions: float | None = None  # the cohort's lesion cue (sample_eye); None: no lesions, no per-eye confounders
     lesion_size: float = 1.0     # every lesion's radii scaled by this (sample_eye)
+    layers: float = 0.0          # the layers cue: INL thickening per label step in a macular patch (needs lesions set)
     bad_files: bool = True
     split_column: bool = True    # write recommended_split (False exercises the fallback)
     id_column: str = "participant_id"  # or person_id (release 3)
@@ -326,7 +358,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
         if cfg.placeholders:
             return None, shape, generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
         r = vol_rng or rng
-        eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size) if cfg.lesions is not None else None
+        eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
         vol = make_volume(shape, r, lat, label, cfg.signal, eye)
         if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
             vol = vol[::-1].copy()
@@ -423,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(1: the cohort's rates, 0: every class like healthy), with per-eye thickness and brightness")
     ap.add_argument("--lesion-size", type=float, default=SynthConfig.lesion_size,
                     help="with --lesions: every lesion's radii scaled by this")
+    ap.add_argument("--layers", type=float, default=SynthConfig.layers,
+                    help="with --lesions: the layers cue, a macular patch of inner nuclear layer thickened by this x "
+                         "the label (relative, at its peak), the outer nuclear layer thinned as much")
     ap.add_argument("--unlabeled", type=int, default=SynthConfig.unlabeled, help="participants without a study group")
     ap.add_argument("--no-bad-files", action="store_true")
     ap.add_argument("--no-split-column", action="store_true")
@@ -433,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
     cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions,
-                      lesion_size=a.lesion_size, unlabeled=a.unlabeled,
+                      lesion_size=a.lesion_size, layers=a.layers, unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
     counts = generate(a.out, cfg)
