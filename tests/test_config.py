@@ -43,3 +43,37 @@ def test_cache_config_file_loads_and_round_trips():
     assert tuple(cfg.preprocess.target_shape) == (64, 384, 384)
     again = config.from_dict(CacheConfig, config.to_dict(cfg))
     assert again == cfg
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_check_recipe_is_the_production_recipe_at_check_size():
+    """configs/pretrain_check.yaml differs from configs/pretrain_multi_domain.yaml only in the keys
+    its header lists (size and run settings): what the learning check proves is what users run."""
+    from octfm import config
+    from train.config import TrainConfig
+
+    def load(name):
+        return _flat(config.to_dict(config.load(TrainConfig, f"configs/{name}.yaml", [])))
+
+    prod, check = load("pretrain_multi_domain"), load("pretrain_check")
+    differ = {k for k in prod.keys() | check.keys() if prod.get(k) != check.get(k)}
+    listed, in_list = set(), False
+    for ln in open("configs/pretrain_check.yaml"):            # the header's "size:" and "run:" lists
+        if not ln.startswith("#"):
+            break
+        body = ln[1:].strip()
+        if body.startswith(("size:", "run:")):
+            in_list, body = True, body.split(":", 1)[1]
+        elif not ln.startswith("#      "):
+            in_list = False
+        if in_list:
+            listed.update(body.split())
+    assert "model.dim" in listed and differ <= listed, f"not size or run settings: {sorted(differ - listed)}"
+    single = load("pretrain_single_domain")
+    assert {k for k in prod if prod[k] != single.get(k)} <= {"name", "data.devices"}
