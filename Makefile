@@ -49,7 +49,7 @@ help:
 	@echo "make test-heavy      the heavy lane: kill -9 faults, a store going away, thousands of volumes"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
-	@echo "make learning-check  [SOURCE=<labelled dataset root>] [ARGS='max_steps=3000']: pretrained vs random-init encoder"
+	@echo "make learning-check  [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -116,7 +116,8 @@ bench: $(STAMP)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m evals.learning_check $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+	$(PY) -m evals.learning_check --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) \
+		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)

@@ -1,9 +1,9 @@
 """`python -m evals.cohort_screen`: is a labelled cache's class cue local, and learnable by the
 recipe's encoder? Label-aware measurements only, so a cohort can be qualified for the learning
-check before any pretraining runs on it (README, "Learning check", decisions 2 and 3).
+check before any pretraining runs on it (docs/learning-check.md, decisions 2, 3 and 7).
 
 Three numbers, each a balanced accuracy on the binary `diabetic` task:
-- global statistics (mean, std, percentiles of each cached volume) in a logistic regression,
+- global statistics (mean, std, percentiles and retinal thickness of each cached volume) in a logistic regression,
   5 folds over participants: must be at chance, or the cue is not local;
 - a hand-made blob counter (lesions brighter or darker than their en-face neighbourhood) in the
   same regression: what a reader who knows where to look gets;
@@ -46,8 +46,21 @@ TASK = "diabetic"
 QUALIFY = {"supervised_val": 0.65, "global_below": 0.58}  # decision 2's bar
 
 
+def retinal_thickness(vol: np.ndarray) -> float:
+    """Rows between the first and the last bright voxel of each A-scan (every 4th column,
+    lightly smoothed; bright: the volume's top quartile), median over A-scans: total retinal
+    thickness, which a layers cue must not carry."""
+    s = ndimage.gaussian_filter(vol.astype(np.float32), (1, 2, 2))[:, :, ::4]
+    bright = s > np.percentile(s, 75)
+    seen = bright.any(axis=1)                                      # [frames, columns]
+    first = bright.argmax(axis=1)
+    last = bright.shape[1] - 1 - bright[:, ::-1].argmax(axis=1)
+    return float(np.median((last - first)[seen])) if seen.any() else 0.0
+
+
 def global_statistics(vol: np.ndarray) -> list[float]:
-    return [vol.mean(), vol.std(), *np.percentile(vol, [1, 5, 25, 50, 75, 95, 99])]
+    """Per-volume intensity statistics and total retinal thickness: what a cue that is not local shows up in."""
+    return [vol.mean(), vol.std(), *np.percentile(vol, [1, 5, 25, 50, 75, 95, 99]), retinal_thickness(vol)]
 
 
 def lesion_counts(vol: np.ndarray) -> list[float]:

@@ -1,14 +1,17 @@
-"""`make learning-check`: does `make pretrain` learn something a random encoder lacks?
+"""`make learning-check [CUE=lesions|layers|scanners]`: does `make pretrain` learn something a random encoder lacks?
 
-On a cohort where the answer is known (default: the lesion cohort `ingest.synth` generates,
-whose class lives only in local macular lesions; `SOURCE=` takes any AI-READI-shaped root whose
-participants.tsv carries labels), this builds the cache, pretrains a small recipe
-(configs/pretrain_check.yaml, `ARGS` overrides its keys), and probes the final checkpoint, a
-random-init encoder of the same architecture and the majority class with the same heads and
-the same participant-level splits. It reports test balanced accuracy pretrained minus random
-with a paired bootstrap interval over participants, for both tasks, and the online-probe curve
-of the run when it logged one. Every stage is resumable: a re-run does only what is left.
-Writes <out>/result.json, result.md and result.png.
+On a cohort where the answer is known (a cohort `ingest.synth` generates, whose class lives in
+one kind of local cue: macular lesions, or the thickness of one retinal layer in a macular
+patch; `SOURCE=` takes any AI-READI-shaped root whose participants.tsv carries labels), this
+builds the cache, pretrains the recipe (configs/pretrain_check.yaml, the production recipe at
+check size; `ARGS` overrides its keys), and probes the final checkpoint, a random-init encoder
+of the same architecture, the majority class and a supervised reference with the same heads on
+the same participants. It reports test balanced accuracy pretrained minus random-init with a
+paired bootstrap interval over participants for both tasks, label-efficiency curves (probes on
+10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
+same subsets), and, for `CUE=scanners`, every scanner held out in turn. Every stage is
+resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
+result.png; docs/learning-check.md keeps the decisions behind it.
 """
 from __future__ import annotations
 
@@ -25,8 +28,7 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import probe, supervised
-from evals import probe_metrics as pm
+from evals import check_probes, probe, subsets, supervised
 from evals.config import ProbeConfig
 from ingest import synth
 from manifests.aireadi import TASKS
@@ -36,9 +38,31 @@ from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
 
-COHORT = synth.SynthConfig(participants=1000, scale=4, seed=16, lesions=6.0, bad_files=False, unlabeled=0)
+DEV_SEED = 16  # the development cohorts' generator seed; a confirmation run takes one never used (--seed)
+COHORT = synth.SynthConfig(participants=1000, scale=4, seed=DEV_SEED, lesions=6.0, bad_files=False, unlabeled=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cue:
+    """One kind of class cue: the cohort that carries it (named, so cues sharing it share the
+    cohort, cache and pretraining) and how probes split it (`splits`: the cohort's own;
+    `scanners`: each scanner held out in turn, evals/subsets.py)."""
+    cohort_name: str
+    cohort: synth.SynthConfig
+    protocol: str
+    target: float  # pretrained minus random-init, binary task, with the paired interval above 0
+    what: str
+
+
+CUES = {
+    "lesions": Cue("lesions", COHORT, "splits", 0.10, "macular foci and cysts, more of them with the class"),
+    "layers": Cue("layers", dataclasses.replace(COHORT, lesions=0.0, layers=0.10), "splits", 0.10,
+                  "a thicker inner nuclear layer over a macular patch, growing with the class"),
+    "scanners": Cue("lesions", COHORT, "scanners", 0.05,
+                    "the lesions cohort, probes trained on three scanners and tested on the fourth"),
+}
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
-TARGET = 0.10        # pretrained minus random, binary task, with the paired interval above 0
+FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 BINARY, MULTI = "diabetic", "study_group"
 
 
@@ -68,9 +92,9 @@ COHORT_CODE = ("ingest/synth.py",)
 RECIPE_CODE = ("train", "evals", "octfm", "cache", "manifests")
 
 
-def cohort(root: Path, participants: int) -> str:
+def cohort(root: Path, cfg: synth.SynthConfig) -> str:
     """The generated cohort, written once per generator config and generator code (a marker names both)."""
-    cfg = dataclasses.replace(COHORT, participants=participants)
+    participants = cfg.participants
     marker = root / "cohort.json"
     want = json.dumps({**dataclasses.asdict(cfg), "code": config.source_digest(*COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
@@ -102,12 +126,14 @@ def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[st
     return out / name
 
 
-def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str]) -> str:
+def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str],
+                    participants: set[str] | None = None, tag: str = "") -> str:
     """The supervised reference (evals/supervised.py): the recipe's encoder trained on the
-    binary task's labels for as many steps as pretraining takes."""
+    binary task's labels (of these participants, for a label fraction) for as many steps as
+    pretraining takes."""
     cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
-    name = recipe_name(config_path, cache, overrides).replace("pretrain_", "supervised_")
-    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps)
+    name = recipe_name(config_path, cache, overrides).replace("pretrain_", "supervised_") + tag
+    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants)
 
 
 def chosen_on_val(res: dict, encoder: str) -> str:
@@ -116,38 +142,14 @@ def chosen_on_val(res: dict, encoder: str) -> str:
     return max(heads, key=lambda p: probe.val_rank(p["val_balanced_accuracy"], p["val_auroc"]))["head"]
 
 
-def compare(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, seed: int) -> dict:
-    """Test balanced accuracy of each encoder and the paired difference pretrained - random,
-    for each head kind and for the head each encoder chose on val."""
-    spec = TASKS[task]
-    y = np.array([spec["map"](r["label"]) for r in rows])
-    test = np.array([r["split"] == "test" for r in rows])
-    groups = np.array([r["participant_id"] for r in rows])[test]
-    k = spec["classes"]
-    score = {(p["encoder"], p["head"]): p["test"]["balanced_accuracy"] for p in res["probes"]}
-    val = {(p["encoder"], p["head"]): p.get("val_balanced_accuracy") for p in res["probes"]}
-    ci = {(p["encoder"], p["head"]): p["test"]["balanced_accuracy_ci95"] for p in res["probes"]}
-    heads = sorted({h for e, h in preds if e == "pretrained"})
-    pairs = {h: (h, h) for h in heads}
-    pairs["chosen_on_val"] = (chosen_on_val(res, "pretrained"), chosen_on_val(res, "random_init"))
-    out = {"task": task, "classes": k, "test_rows": int(test.sum()), "test_participants": int(len(set(groups))),
-           "majority_class": score[("none", "majority_class")], "comparisons": {}}
-    for label, (hp, hr) in pairs.items():
-        diff = pm.paired_difference_ci(y[test], preds[("pretrained", hp)][test], preds[("random_init", hr)][test],
-                                       groups, k, n_boot, seed)
-        out["comparisons"][label] = {"pretrained_head": hp, "random_head": hr,
-                                     "pretrained": score[("pretrained", hp)], "pretrained_ci95": ci[("pretrained", hp)],
-                                     "random_init": score[("random_init", hr)], "random_init_ci95": ci[("random_init", hr)],
-                                     "val": {"pretrained": val[("pretrained", hp)], "random_init": val[("random_init", hr)]},
-                                     **diff}
-    return out
-
-
-def reference_row(task: str, res: dict, preds: dict, rows: list[dict], n_boot: int, seed: int) -> dict:
-    """The supervised reference against the random-init encoder, heads chosen on val."""
-    c = compare(task, res, preds, rows, n_boot, seed)["comparisons"]["chosen_on_val"]
-    return {"supervised": c["pretrained"], "supervised_ci95": c["pretrained_ci95"], "head": c["pretrained_head"],
-            "random_init": c["random_init"], "difference": c["difference"], "difference_ci95": c["difference_ci95"]}
+def reference_row(task: str, rows: list[dict], sup: dict, rand: dict, fs: list, n_boot: int, seed: int) -> dict:
+    """The supervised reference (all labels) against the random-init encoder, heads chosen on val."""
+    te = check_probes.tested_rows(fs)
+    s, r = (check_probes.score(task, rows, f[check_probes.CHOSEN]["prob"], te, n_boot, seed) for f in (sup, rand))
+    d = check_probes.paired(task, rows, sup[check_probes.CHOSEN]["prob"], rand[check_probes.CHOSEN]["prob"], te,
+                            n_boot, seed)
+    return {"supervised": s["balanced_accuracy"], "supervised_ci95": s["ci95"], "random_init": r["balanced_accuracy"],
+            "head": check_probes._heads(sup[check_probes.CHOSEN]), **d}
 
 
 def online_curve(run_dir: Path) -> list[dict]:
@@ -166,28 +168,50 @@ def training_summary(run_dir: Path) -> dict:
             "rankme": [train[0]["rankme"], train[-1]["rankme"]]}
 
 
+def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
+    """At the smallest label fraction: pretrained + probe against the supervised reference
+    trained on the same participants (None when no reference was trained)."""
+    first = result["label_efficiency"]["points"][0]
+    if "supervised" not in first:
+        return None
+    p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
+    return p >= s, (f"at {pct(first['fraction'])} of labels pretrained {p:.3f} vs supervised {s:.3f} "
+                    f"(target: pretrained >= supervised)")
+
+
 def verdict(result: dict) -> str:
-    b = result["tasks"][BINARY]["comparisons"]["chosen_on_val"]
-    m = result["tasks"][MULTI]["comparisons"]["chosen_on_val"]
-    lo = b["difference_ci95"][0]
-    ok = b["difference"] >= TARGET and lo is not None and lo > 0 and m["difference"] >= 0
-    return (f"learning-check: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy (test, heads "
-            f"chosen on val): {BINARY} {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
+    b = result["tasks"][BINARY]["comparisons"][check_probes.CHOSEN]
+    m = result["tasks"][MULTI]["comparisons"][check_probes.CHOSEN]
+    lo, target = b["difference_ci95"][0], result["target"]
+    ok = b["difference"] >= target and lo is not None and lo > 0
+    need_multi = result["protocol"] == "splits"
+    ok = ok and (m["difference"] >= 0 or not need_multi)
+    eff = label_efficiency_check(result)
+    ok = ok and (eff is None or eff[0])
+    return (f"learning-check [{result['cue']}]: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
+            f"(test, heads chosen on val): {BINARY} {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
             f"[{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] ({m['pretrained']:.3f} vs "
-            f"{m['random_init']:.3f}); target {BINARY} >= +{TARGET:.2f} with the interval above 0, {MULTI} >= 0")
+            f"{m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} >= +{target:.2f} with the "
+            f"interval above 0{f', {MULTI} >= 0' if need_multi else ''}")
 
 
 def _f(v) -> str:
     return "n/a" if v is None else f"{v:+.3f}"
 
 
+def _diff(d: dict) -> str:
+    return f"{d['difference']:+.3f} [{_f(d['difference_ci95'][0])}, {_f(d['difference_ci95'][1])}]"
+
+
 def markdown(result: dict) -> str:
-    lines = ["# Learning check", "", result["verdict"], "",
-             f"Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` (step {result['step']}; "
-             f"objective: {result.get('objective', 'not recorded')}). "
-             f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); the difference "
-             "is paired (both encoders scored on each resample).", ""]
+    held_out = " (each test row scored by probes trained on the other three scanners)" \
+        if result["protocol"] == "scanners" else ""
+    lines = [f"# Learning check: {result['cue']}", "", result["verdict"], "",
+             f"Cue: {result['what']}. Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` "
+             f"(step {result['step']}; objective: {result.get('objective', 'not recorded')}). "
+             f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); a difference "
+             f"is paired (both encoders scored on each resample){held_out}.", ""]
     for task, t in result["tasks"].items():
         lines += [f"## {task} ({t['classes']} classes; test: {t['test_rows']} volumes, {t['test_participants']} "
                   f"participants; majority class {t['majority_class']:.3f})", "",
@@ -197,8 +221,14 @@ def markdown(result: dict) -> str:
             heads = c["pretrained_head"] if c["pretrained_head"] == c["random_head"] else \
                 f"{c['pretrained_head']} / {c['random_head']}"
             lines.append(f"| {label} ({heads}) | {_num(c['val']['pretrained'])} / {_num(c['val']['random_init'])} | "
-                         f"{c['pretrained']:.3f} | {c['random_init']:.3f} | "
-                         f"{c['difference']:+.3f} [{_f(c['difference_ci95'][0])}, {_f(c['difference_ci95'][1])}] |")
+                         f"{c['pretrained']:.3f} | {c['random_init']:.3f} | {_diff(c)} |")
+        lines.append("")
+    if result.get("per_scanner"):
+        lines += [f"Each scanner held out ({BINARY}, heads chosen on the other scanners' val rows):", "",
+                  "| held-out scanner | participants | pretrained | random-init | pretrained - random [95% CI] |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {d} | {r['participants']} | {r['pretrained']:.3f} | {r['random_init']:.3f} | {_diff(r)} |"
+                  for d, r in result["per_scanner"].items()]
         lines.append("")
     ref = result.get("supervised_reference")
     if ref:
@@ -206,9 +236,23 @@ def markdown(result: dict) -> str:
                   "many steps (it sees labels that pretraining never does), probed like the pretrained one. It "
                   "measures how far label-aware features of this architecture get on this cohort.", "",
                   "| task | supervised (head) | random-init | supervised - random [95% CI] |", "|---|---|---|---|"]
-        lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {r['difference']:+.3f} "
-                  f"[{_f(r['difference_ci95'][0])}, {_f(r['difference_ci95'][1])}] |" for t, r in ref.items()]
+        lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {_diff(r)} |"
+                  for t, r in ref.items()]
         lines.append("")
+    pts = result["label_efficiency"]["points"]
+    with_sup = "supervised" in pts[0]
+    lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
+              "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
+              f"{', the supervised reference trained on the same ones' if with_sup else ''}):", "",
+              "| labels (participants) | pretrained | random-init | " + ("supervised | " if with_sup else "") +
+              "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
+              "|---|---|---|---|" + ("---|---|" if with_sup else "")]
+    for p in pts:
+        enc = [p[e]["balanced_accuracy"] for e in ("pretrained", "random_init", *(["supervised"] if with_sup else []))]
+        lines.append(f"| {pct(p['fraction'])} ({p['participants']}) | " + " | ".join(f"{v:.3f}" for v in enc) +
+                     f" | {_diff(p['pretrained_minus_random_init'])} |" +
+                     (f" {_diff(p['pretrained_minus_supervised'])} |" if with_sup else ""))
+    lines.append("")
     tr = result["training"]
     if tr:
         lines += [f"Pretraining: {tr['steps']} steps, loss {tr['loss'][0]:.4f} -> {tr['loss'][1]:.4f}, "
@@ -231,13 +275,14 @@ def _num(v) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Test balanced accuracy per encoder (heads chosen on val) with intervals, and the online probe."""
+    """Test balanced accuracy per encoder (heads chosen on val) with intervals, the
+    label-efficiency curve, and the online probe."""
     plt = plots.pyplot()
     curve = result["online_probe"]
-    fig, axes = plt.subplots(1, 2 if curve else 1, figsize=(10 if curve else 5.5, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(15 if curve else 10, 4), squeeze=False)
     ax = axes[0][0]
     for i, (task, t) in enumerate(result["tasks"].items()):
-        c = t["comparisons"]["chosen_on_val"]
+        c = t["comparisons"][check_probes.CHOSEN]
         for j, (name, v, ci) in enumerate((("pretrained", c["pretrained"], c["pretrained_ci95"]),
                                            ("random-init", c["random_init"], c["random_init_ci95"]),
                                            ("majority", t["majority_class"], None))):
@@ -246,9 +291,25 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks([1, 5], list(result["tasks"]))
     ax.set_ylabel("test balanced accuracy")
     ax.legend(fontsize=8)
-    ax.set_title("heads chosen on val, 95% participant bootstrap", fontsize=9)
+    ax.set_title(f"{result['cue']}: heads chosen on val, 95% participant bootstrap", fontsize=9)
+    ax = axes[0][1]
+    pts = result["label_efficiency"]["points"]
+    x = [100 * p["fraction"] for p in pts]
+    for j, name in enumerate(("pretrained", "random_init", "supervised")):
+        if name in pts[0]:
+            v = [p[name]["balanced_accuracy"] for p in pts]
+            lo = [p[name]["ci95"][0] if p[name]["ci95"][0] is not None else p[name]["balanced_accuracy"] for p in pts]
+            hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in pts]
+            ax.errorbar(x, v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
+                        label=name.replace("_", "-"))
+    ax.set_xscale("log")
+    ax.set_xticks(x, [f"{v:g}%" for v in x])
+    ax.set_xlabel("labelled train participants")
+    ax.set_ylabel(f"test balanced accuracy ({result['label_efficiency']['task']})")
+    ax.legend(fontsize=8)
+    ax.set_title("label efficiency", fontsize=9)
     if curve:
-        ax = axes[0][1]
+        ax = axes[0][2]
         for k in sorted({k for r in curve for k in r if k != "step"}):
             pts = [(r["step"], r[k]) for r in curve if r.get(k) is not None]
             ax.plot(*zip(*pts), marker="o", label=k)
@@ -260,15 +321,55 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def pct(fraction: float) -> str:
+    return f"{round(fraction * 100)}%"
+
+
+def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> dict:
+    """A supervised checkpoint's frozen features (no random-init baseline: the check has it)."""
+    return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"]
+
+
+def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int) -> dict:
+    """Heads on every encoder's features: the two tasks on all labels, the binary task's
+    label-efficiency curve and, for the scanners protocol, each held-out scanner."""
+    fs = check_probes.folds(rows, protocol)
+    seed = pcfg.seed
+    fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
+            for t in (MULTI, BINARY)}
+    out = {"tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, seed) for t in (MULTI, BINARY)}}
+    if 1.0 in sup:
+        out["supervised_reference"] = {
+            t: reference_row(t, rows, check_probes.fit_encoder(pcfg, sup[1.0], t, rows, fs), fits[t]["random_init"], fs,
+                             n_boot, seed) for t in (MULTI, BINARY)}
+    if protocol == "scanners":
+        out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
+    people = subsets.nested_fractions(rows, fractions, seed)
+    curve = []
+    for f in sorted(fractions):
+        ff = check_probes.narrowed(fs, rows, people[f])
+        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff)
+                for e in ("pretrained", "random_init")}
+        if f in sup:
+            encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
+        curve.append({"fraction": f, "participants": len(people[f]),
+                      **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
+    out["label_efficiency"] = {"task": BINARY, "points": curve}
+    return out
+
+
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
-          participants: int = COHORT.participants, n_boot: int = 1000, probe_args: Sequence[str] = (),
-          with_supervised: bool = True) -> dict:
-    """The whole check; every stage reuses what an earlier run finished."""
-    stages = Stages()
+          cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
+          probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS) -> dict:
+    """The whole check for one cue; every stage reuses what an earlier run finished."""
+    spec = CUES[cue]
+    stages, generated = Stages(), source is None
     config.load(TrainConfig, config_path, overrides)  # refuse bad ARGS before any work
     if source is None:
-        source = stages.run("cohort", lambda: cohort(work / "source", participants))
-        cache_dir = work / "cache"
+        home = work / f"{spec.cohort_name}_seed{seed}"
+        cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
+        source = stages.run("cohort", lambda: cohort(home / "source", cfg))
+        cache_dir = home / "cache"
     else:
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
@@ -277,30 +378,30 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     pcfg = config.load(ProbeConfig, "configs/probe.yaml",
                        [f"cache={cache}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
                         "baselines=true", *probe_args])
-    preds: dict = {}
-    res = stages.run("probe", lambda: probe.probe_checkpoint(pcfg, ckpt, RunFolder(run_dir).probe, predictions=preds))
-    reference = {}
-    if with_supervised:
-        sup_preds: dict = {}
-        # probed in the run's probe folder: the random-init features are reused; no reports are written
-        sup_res = stages.run("supervised reference", lambda: probe.probe_checkpoint(
-            pcfg, supervised_ckpt(config_path, cache, out, overrides), RunFolder(run_dir).probe, reports=False,
-            predictions=sup_preds))
-        reference = {t: reference_row(t, sup_res["results"][t], sup_preds[t], sup_preds["rows"], n_boot, pcfg.seed)
-                     for t in (MULTI, BINARY)}
-    result = {"source": source, "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": res["step"],
+    probe_dir = RunFolder(run_dir).probe
+    f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
+    sup = {}
+    if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
+        people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
+        for frac in sorted(fractions, reverse=True):
+            tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
+            sup[frac] = stages.run(f"supervised reference, {pct(frac)} of labels", lambda frac=frac, tag=tag: (
+                supervised_features(pcfg, supervised_ckpt(config_path, cache, out, overrides, people[frac], tag),
+                                    probe_dir)))
+    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot))
+    result = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+              "source": source, "cohort_seed": seed if generated else None,
+              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
               "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
-              "overrides": list(overrides), "bootstrap": n_boot, "target": TARGET,
-              "features_reused": res["features_reused"],
-              "tasks": {t: compare(t, res["results"][t], preds[t], preds["rows"], n_boot, pcfg.seed)
-                        for t in (MULTI, BINARY)},
-              "supervised_reference": reference,
+              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
+              **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     result["verdict"] = verdict(result)
-    out.mkdir(parents=True, exist_ok=True)
-    fsio.atomic_write_bytes(str(out / "result.json"), json.dumps(result, indent=2, default=float).encode())
-    fsio.atomic_write_bytes(str(out / "result.md"), markdown(result).encode())
-    plot(result, out / "result.png")
+    dest = out / cue
+    dest.mkdir(parents=True, exist_ok=True)
+    fsio.atomic_write_bytes(str(dest / "result.json"), json.dumps(result, indent=2, default=float).encode())
+    fsio.atomic_write_bytes(str(dest / "result.md"), markdown(result).encode())
+    plot(result, dest / "result.png")
     return result
 
 
@@ -332,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work", default="data/learning_check", help="where the cohort and its cache go")
     ap.add_argument("--out", default="runs/learning_check")
     ap.add_argument("--config", default="configs/pretrain_check.yaml")
+    ap.add_argument("--cue", choices=list(CUES), default="lesions", help="the kind of class cue (make CUE=...)")
+    ap.add_argument("--seed", type=int, default=DEV_SEED,
+                    help=f"the generated cohort's seed (default {DEV_SEED}, the development cohorts')")
     ap.add_argument("--participants", type=int, default=COHORT.participants, help="cohort size")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
@@ -345,10 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(probe_line(RunFolder(a.line).probe))
         return 0
     t0 = time.perf_counter()
-    r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.participants, a.bootstrap, a.probe,
-              with_supervised=not a.no_supervised)
+    r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
+              a.probe, with_supervised=not a.no_supervised)
     print(markdown(r))
-    print(f"learning-check: wrote {a.out}/result.json, result.md, result.png in {time.perf_counter() - t0:.0f}s")
+    print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
+          f"{time.perf_counter() - t0:.0f}s")
     print(r["verdict"])
     return 0
 

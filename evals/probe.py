@@ -91,12 +91,9 @@ def evaluate(prob, y, groups, mask, classes, cfg) -> dict:
     return out
 
 
-def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path | None,
-               predictions: dict | None = None) -> dict:
+def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_dir: Path | None) -> dict:
     """Every head on every encoder for one task, chosen on val and evaluated on val and test
-    (overall and per test device); writes the task's report when out_dir is given. The chosen
-    heads' class probabilities for every row go into `predictions[(encoder, head)]` when a
-    dict is given (paired comparisons of encoders need them)."""
+    (overall and per test device); writes the task's report when out_dir is given."""
     spec = TASKS[task]
     k = spec["classes"]
     y = np.array([spec["map"](r["label"]) for r in rows])
@@ -114,8 +111,6 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
             res = {"encoder": enc_name, "head": kind, **chosen, "val": evaluate(prob, y, groups, split == "val", k, cfg),
                    "test": evaluate(prob, y, groups, test, k, cfg)}
             result["probes"].append(res)
-            if predictions is not None:
-                predictions[(enc_name, kind)] = prob
             rank = val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"])
             if enc_name == "pretrained" and (best is None or rank > best[0]):
                 best = (rank, kind, prob)
@@ -217,12 +212,9 @@ def check_tasks(cfg: ProbeConfig) -> None:
         raise cli.UsageError(f"tasks: unknown task {unknown[0]!r} (known: {', '.join(TASKS)})")
 
 
-def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True,
-                     predictions: dict | None = None) -> dict:
-    """All tasks' probes for one checkpoint, from features extracted once (kept under
-    <probe_dir>/features). The unit `make probe`, `make leaderboard` and the learning check
-    share; `predictions` (a dict) receives {task: {(encoder, head): probabilities}} and
-    `rows` of the result the labelled rows they belong to."""
+def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None) -> dict:
+    """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of a
+    random-init one of the same architecture, extracted once and kept under <probe_dir>/features."""
     check_tasks(cfg)
     enc, tcfg, ident = features.load_encoder(ckpt)
     cache = cfg.cache or tcfg.data.cache
@@ -240,15 +232,21 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
         feats[name], reused[name] = features.cached(
             probe_dir / "features", key,
             lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch))
+    return {"rows": rows, "feats": feats, "reused": reused, "step": ident["step"], "cache": cache,
+            "probe_dir": probe_dir}
+
+
+def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True) -> dict:
+    """All tasks' probes for one checkpoint, from features extracted once (checkpoint_features):
+    the unit `make probe` and `make leaderboard` share."""
+    f = checkpoint_features(cfg, ckpt, probe_dir)
+    rows, probe_dir = f["rows"], f["probe_dir"]
     results = {}
     for task in cfg.tasks:
         suffix = "_shuffled" if cfg.shuffle_labels else ""
-        results[task] = probe_task(task, cfg, rows, feats, probe_dir / f"{task}{suffix}" if reports else None,
-                                   None if predictions is None else predictions.setdefault(task, {}))
-    if predictions is not None:
-        predictions["rows"] = rows
-    return {"ckpt": ckpt, "step": ident["step"], "cache": cache, "rows": len(rows),
-            "rows_fingerprint": rows_fingerprint(rows), "features_reused": reused, "results": results,
+        results[task] = probe_task(task, cfg, rows, f["feats"], probe_dir / f"{task}{suffix}" if reports else None)
+    return {"ckpt": ckpt, "step": f["step"], "cache": f["cache"], "rows": len(rows),
+            "rows_fingerprint": rows_fingerprint(rows), "features_reused": f["reused"], "results": results,
             "probe_dir": str(probe_dir)}
 
 

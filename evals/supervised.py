@@ -45,16 +45,17 @@ class Labelled(Dataset):
 
 
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
-          progress: bool = True, dataset=Labelled) -> str:
+          progress: bool = True, dataset=Labelled, participants: set[str] | None = None) -> str:
     """Train encoder + linear head on `task` for `steps` steps on CPU; returns the checkpoint
     (its `target` holds the encoder, so `evals.features.load_encoder` reads it). A finished
     checkpoint is reused: the check is resumable at this granularity. `dataset(ds, y)` wraps
-    the crops (evals/cohort_screen.py plants a cue with it)."""
+    the crops (evals/cohort_screen.py plants a cue with it); `participants` narrows the train
+    rows to a label fraction (the learning check's curves)."""
     done = checkpoint.newest_whole(ckpt_dir, warn=lambda _: None)
     if done:
         return done
     spec = TASKS[task]
-    rows = labelled_rows(cfg)
+    rows = [r for r in labelled_rows(cfg) if participants is None or r["participant_id"] in participants]
     y = [spec["map"](r["label"]) for r in rows]
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.model, cfg.data.input_shape)

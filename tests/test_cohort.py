@@ -121,3 +121,20 @@ def test_no_table_column_but_the_label_predicts_it(tmp_path):
     worst = max(scores, key=scores.get)
     print({k: round(v, 3) for k, v in sorted(scores.items(), key=lambda kv: -kv[1])[:8]})
     assert scores[worst] < 0.32, f"{worst} predicts the label: held-out balanced accuracy {scores[worst]:.3f}"
+
+
+def test_retinal_thickness_reads_the_bright_band():
+    """The screen's thickness statistic follows the retina's height (bright inner and outer
+    boundaries, grey between, as in a B-scan), not its brightness."""
+    import numpy as np
+
+    from evals.cohort_screen import retinal_thickness
+
+    def retina(top, height, gain=1.0):
+        vol = np.full((8, 64, 32), 20.0)
+        vol[:, top:top + height] = 90
+        vol[:, top:top + 4] = vol[:, top + height - 4:top + height] = 200
+        return vol * gain
+    assert abs(retinal_thickness(retina(10, 20)) - 19) <= 2
+    assert abs(retinal_thickness(retina(10, 30)) - 29) <= 2
+    assert retinal_thickness(retina(10, 20, gain=1.2)) == retinal_thickness(retina(10, 20))

@@ -1,6 +1,7 @@
 """`make learning-check` end to end on a tiny generated cohort with a few pretraining steps:
 the report is produced, both tasks carry a paired difference with its interval (the supervised
-reference too), and a re-run does only what is left."""
+reference too), the label-efficiency curve and the held-out scanners are scored, and a re-run
+does only what is left."""
 import json
 import re
 
@@ -18,9 +19,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     r = run_cli("evals.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     verdict = r.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("learning-check: ") and "pretrained - random-init" in verdict
-    res = json.loads((out / "result.json").read_text())
-    assert res["verdict"] == verdict and res["step"] == 4
+    assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init" in verdict
+    res = json.loads((out / "lesions" / "result.json").read_text())
+    assert res["verdict"] == verdict and res["step"] == 4 and res["cohort_seed"] == 16
     for task, classes in (("diabetic", 2), ("study_group", 4)):
         t = res["tasks"][task]
         assert t["classes"] == classes and t["test_participants"] >= 2
@@ -29,17 +30,28 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "probe", "supervised reference"}
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "supervised reference, 100% of labels",
+                                  "supervised reference, 25% of labels", "supervised reference, 10% of labels", "probes"}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
         assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9
         assert ref["random_init"] == res["tasks"][task]["comparisons"]["chosen_on_val"]["random_init"]
+    points = res["label_efficiency"]["points"]                           # nested subsets, three encoders each
+    assert [p["fraction"] for p in points] == [0.1, 0.25, 1.0]
+    assert [p["participants"] for p in points] == sorted(p["participants"] for p in points)
+    full = res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]
+    assert points[-1]["pretrained"]["balanced_accuracy"] == full["pretrained"]   # 100% is the main table's probe
+    for p in points:
+        d = p["pretrained_minus_supervised"]
+        assert abs(d["difference"] - (p["pretrained"]["balanced_accuracy"] - p["supervised"]["balanced_accuracy"])) < 1e-9
     assert res["training"]["steps"] == 4
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
-        assert (out / name).stat().st_size > 0
-    assert "## diabetic" in (out / "result.md").read_text()
+        assert (out / "lesions" / name).stat().st_size > 0
+    assert "## diabetic" in (out / "lesions" / "result.md").read_text()
+    probed = run_cli("evals.probe", f"run={res['run']}", "bootstrap=50", *PROBE[1::2])    # as the demo probes its run
+    assert probed.returncode == 0, probed.stderr[-3000:]
     line = run_cli("evals.learning_check", "--line", res["run"])    # the demo's last line, from the probe reports
     assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
@@ -49,9 +61,18 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert "cohort in" in again.stdout and "reused" in again.stdout
     assert "nothing to do" in again.stdout                       # the run is at max_steps already
     assert re.search(r"cache: \d+ rows in shard 0/1: \d+ reused, 0 processed", again.stdout)
-    res2 = json.loads((out / "result.json").read_text())
+    res2 = json.loads((out / "lesions" / "result.json").read_text())
     assert res2["features_reused"] == {"pretrained": True, "random_init": True}
-    assert res2["tasks"] == res["tasks"]
+    assert res2["tasks"] == res["tasks"] and res2["label_efficiency"] == res["label_efficiency"]
+
+    scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
+    assert scanners.returncode == 0, scanners.stderr[-3000:]
+    assert "nothing to do" in scanners.stdout
+    sres = json.loads((out / "scanners" / "result.json").read_text())
+    assert sres["run"] == res["run"] and sres["protocol"] == "scanners" and not sres["supervised_reference"]
+    assert 2 <= len(sres["per_scanner"]) <= 4                             # of the four devices, those with test rows
+    assert sres["tasks"]["diabetic"]["test_rows"] == res["tasks"]["diabetic"]["test_rows"]  # each test row once
+
 
 
 def test_kept_results_are_keyed_on_the_code(tmp_path):
@@ -69,7 +90,7 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
                                                               "*.egg-info"))
     probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
-             "lc.cohort(Path(sys.argv[1]), 4)")
+             "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
 
     def run():
         r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cohort")], cwd=copy, capture_output=True,

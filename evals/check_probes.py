@@ -1,0 +1,135 @@
+"""The learning check's probes (evals/learning_check.py), on features extracted once per encoder.
+
+Every head kind of the probe config is fit on a fold's train rows, chosen on its val rows and
+scored on its test rows. A fold is the cohort's own split, or, for the scanners cue, three
+scanners' train and val rows with the fourth scanner's test rows held out, each scanner in turn
+(evals/subsets.py). A label fraction narrows every fold's train rows to the same participants
+for every encoder. Encoders are compared on the same test rows with a paired participant
+bootstrap, so what the test rows share cancels out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from evals import probe, subsets
+from evals import probe_metrics as pm
+from evals.config import ProbeConfig
+from manifests.aireadi import TASKS
+
+CHOSEN = "chosen_on_val"  # per fold, the head kind with the best val score
+
+
+def folds(rows: list[dict], protocol: str) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+    """[(name, train, val, test masks)]: one fold (the splits) or one per held-out scanner that
+    has test rows."""
+    if protocol == "scanners":
+        return [f for f in subsets.scanner_folds(rows) if f[3].any()]
+    split = np.array([r["split"] for r in rows])
+    return [("splits", split == "train", split == "val", split == "test")]
+
+
+def narrowed(fs: list, rows: list[dict], participants: set[str]) -> list:
+    """The folds with their train rows narrowed to these participants."""
+    keep = subsets.train_mask(rows, participants)
+    return [(name, tr & keep, va, te) for name, tr, va, te in fs]
+
+
+def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Class index, split and participant of each row, and the number of classes."""
+    spec = TASKS[task]
+    return (np.array([spec["map"](r["label"]) for r in rows]), np.array([r["split"] for r in rows]),
+            np.array([r["participant_id"] for r in rows]), spec["classes"])
+
+
+def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: list) -> dict:
+    """{head kind, and CHOSEN: {"prob": test-row probabilities assembled over the folds (each
+    test row from the fold that tests it), "val": mean over folds of the val balanced accuracy,
+    "heads": the head of each fold}}."""
+    y, split, _, k = task_arrays(task, rows)
+    out = {kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
+    for _, tr, va, te in fs:
+        fitted = {}
+        for kind in cfg.heads:
+            chosen, prob = probe.fit_and_select(kind, cfg, feats, y, split, k, tr, va)
+            fitted[kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
+        best = max(fitted, key=lambda h: fitted[h][0])
+        for kind, head in [*((h, h) for h in fitted), (CHOSEN, best)]:
+            rank, prob = fitted[head]
+            out[kind]["prob"][te] = prob[te]
+            out[kind]["val"].append(rank[0])
+            out[kind]["heads"].append(head)
+    return {kind: {**v, "val": float(np.mean(v["val"]))} for kind, v in out.items()}
+
+
+def majority(task: str, rows: list[dict], fs: list) -> np.ndarray:
+    """Each fold's most frequent train class, as probabilities on its test rows."""
+    y, _, _, k = task_arrays(task, rows)
+    prob = np.zeros((len(y), k))
+    for _, tr, _, te in fs:
+        prob[te, np.bincount(y[tr], minlength=k).argmax()] = 1.0
+    return prob
+
+
+def tested_rows(fs: list) -> np.ndarray:
+    return np.logical_or.reduce([te for _, _, _, te in fs])
+
+
+def score(task: str, rows: list[dict], prob: np.ndarray, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """Test balanced accuracy with its participant-bootstrap interval."""
+    y, _, groups, k = task_arrays(task, rows)
+    ci = pm.bootstrap_ci(y[mask], prob[mask], groups[mask], k, n_boot, seed)["balanced_accuracy_ci95"]
+    return {"balanced_accuracy": pm.balanced_accuracy(y[mask], prob[mask].argmax(1), k), "ci95": ci}
+
+
+def paired(task: str, rows: list[dict], a: np.ndarray, b: np.ndarray, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """a minus b in test balanced accuracy, with the paired interval over participants."""
+    y, _, groups, k = task_arrays(task, rows)
+    return pm.paired_difference_ci(y[mask], a[mask], b[mask], groups[mask], k, n_boot, seed)
+
+
+def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
+    """Pretrained against random-init for each head kind and for the heads each chose on val:
+    the learning check's table (fits: {encoder: fit_encoder(...)})."""
+    te = tested_rows(fs)
+    _, _, groups, k = task_arrays(task, rows)
+    out = {"task": task, "classes": k, "test_rows": int(te.sum()), "test_participants": int(len(set(groups[te]))),
+           "majority_class": score(task, rows, majority(task, rows, fs), te, n_boot, seed)["balanced_accuracy"],
+           "comparisons": {}}
+    for kind in fits["pretrained"]:
+        p, r = fits["pretrained"][kind], fits["random_init"][kind]
+        sp, sr = (score(task, rows, f["prob"], te, n_boot, seed) for f in (p, r))
+        out["comparisons"][kind] = {
+            "pretrained_head": _heads(p), "random_head": _heads(r),
+            "pretrained": sp["balanced_accuracy"], "pretrained_ci95": sp["ci95"],
+            "random_init": sr["balanced_accuracy"], "random_init_ci95": sr["ci95"],
+            "val": {"pretrained": p["val"], "random_init": r["val"]},
+            **paired(task, rows, p["prob"], r["prob"], te, n_boot, seed)}
+    return out
+
+
+def per_scanner(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
+    """Each held-out scanner's test rows: both encoders (heads chosen on val) and the paired difference."""
+    p, r = fits["pretrained"][CHOSEN]["prob"], fits["random_init"][CHOSEN]["prob"]
+    out = {}
+    for name, _, _, te in fs:
+        out[name] = {"pretrained": score(task, rows, p, te, n_boot, seed)["balanced_accuracy"],
+                     "random_init": score(task, rows, r, te, n_boot, seed)["balanced_accuracy"],
+                     **paired(task, rows, p, r, te, n_boot, seed)}
+    return out
+
+
+def curve_point(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
+    """One label fraction: each encoder's test score (heads chosen on val) and pretrained minus
+    each other encoder, paired."""
+    te = tested_rows(fs)
+    chosen = {name: f[CHOSEN] for name, f in fits.items()}
+    out = {name: {**score(task, rows, c["prob"], te, n_boot, seed), "heads": _heads(c)} for name, c in chosen.items()}
+    for other in chosen:
+        if other != "pretrained":
+            out[f"pretrained_minus_{other}"] = paired(task, rows, chosen["pretrained"]["prob"], chosen[other]["prob"],
+                                                      te, n_boot, seed)
+    return out
+
+
+def _heads(fit: dict) -> str:
+    return "/".join(sorted(set(fit["heads"])))
