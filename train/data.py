@@ -143,3 +143,25 @@ class EpochSampler(Sampler):
         if self.stop_batch is None:
             return 2 ** 62  # endless
         return max(0, self.stop_batch - self.start_batch) * self.batch
+
+
+def data_position(consumed: int, n: int, batch: int, world: int) -> dict:
+    """Where `consumed` batches per process left the stream, in layout-free terms: the epoch
+    and the samples drawn from its permutation (the processes' batches together are a
+    prefix of it: rank r takes every world-th sample)."""
+    epoch, b = divmod(consumed, n // (batch * world))
+    return {"epoch": epoch, "offset": b * batch * world}
+
+
+def start_batch_for(position: dict, n: int, batch: int, world: int) -> int:
+    """Batches per process that reach `position` with `batch` x `world`: exact when the offset
+    is whole global batches; None when it is not (the caller refuses). An offset past the
+    new, shorter trimmed epoch starts the next epoch (the samples between are the ones this
+    layout trims)."""
+    per_epoch = n // (batch * world)
+    g = batch * world
+    if position["offset"] >= per_epoch * g:
+        return (position["epoch"] + 1) * per_epoch
+    if position["offset"] % g:
+        return None
+    return position["epoch"] * per_epoch + position["offset"] // g

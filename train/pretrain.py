@@ -151,7 +151,8 @@ class Trainer:
         self.target = copy.deepcopy(self.model.encoder).requires_grad_(False)
         self.model.to(rt.device)
         self.target.to(rt.device)
-        self.lr = torch.tensor(schedule.learning_rate(0, cfg.max_steps, cfg.optim), device=rt.device)
+        self.horizon = cfg.max_steps  # the step the schedules end at: a resume keeps the checkpoint's
+        self.lr = torch.tensor(schedule.learning_rate(0, self.horizon, cfg.optim), device=rt.device)
         self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
         self.opt = build_optimizer(self.model, cfg, rt, self.lr)
         self.loss_mean = torch.full((), float("inf"), device=rt.device)  # no spike test before a first loss
@@ -170,7 +171,8 @@ class Trainer:
     def state(self) -> dict:
         return to_cpu({
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
-            "scheduler": {"step": self.step, "lr": float(self.lr), "ema_momentum": float(self.momentum)},
+            "schedule": {"horizon": self.horizon},
+            "data_position": data.data_position(self.consumed, len(self.rows), self.cfg.batch_size, self.rt.world),
             "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
             "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(),
             "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
@@ -190,12 +192,50 @@ class Trainer:
         self.model.load_state_dict(st["model"])
         self.target.load_state_dict(st["target"])
         load_optimizer(self.opt, st["optimizer"], self.lr)
-        self.step, self.consumed = int(st["step"]), int(st["consumed_batches"])
+        self.step = int(st["step"])
+        self.consumed = self._resume_position(uri, st)
+        self.horizon = self._resume_horizon(st)
         self.loss_mean.copy_(st["loss_mean"])
         self.skipped.copy_(st["skipped_updates"])
         self.skip_run.copy_(st.get("consecutive_skips", torch.zeros(())))  # absent before the lockout bound
         checkpoint.set_rng_state(st["rng"])
         return uri
+
+    def _resume_position(self, uri: str, st: dict) -> int:
+        """The checkpoint's place in the data, converted to this run's batch_size and process
+        count; refused when no whole number of this run's global batches reaches it."""
+        cfg, n = self.cfg, len(self.rows)
+        saved = st.get("config", {})
+        old_batch, old_world = int(saved.get("batch_size", cfg.batch_size)), int(st.get("world", 1))
+        pos = st.get("data_position") or data.data_position(int(st["consumed_batches"]), n, old_batch, old_world)
+        start = data.start_batch_for(pos, n, cfg.batch_size, self.rt.world)
+        if start is None:
+            g = cfg.batch_size * self.rt.world
+            raise cli.UsageError(
+                f"{uri}: it stopped {pos['offset']} samples into epoch {pos['epoch']} (batch_size {old_batch} x "
+                f"{old_world} process(es)); batch_size {cfg.batch_size} x {self.rt.world} process(es) = {g} per step "
+                f"does not divide {pos['offset']}: resume with a global batch that does (e.g. the checkpoint's), "
+                f"or from a checkpoint at an epoch boundary")
+        if (old_batch, old_world) != (cfg.batch_size, self.rt.world) and self.rt.is_master:
+            print(f"resume: batch_size {old_batch} x {old_world} process(es) -> {cfg.batch_size} x {self.rt.world}: "
+                  f"the data continues at epoch {pos['epoch']}, sample {pos['offset']} of its order")
+        return start
+
+    def _resume_horizon(self, st: dict) -> int:
+        """The schedules' end step as first set (older checkpoints: their config's max_steps).
+        Raising max_steps extends the run with a constant tail at final_lr and the last EMA
+        momentum; lowering it stops the run early with the schedules unchanged."""
+        cfg = self.cfg
+        horizon = int(st.get("schedule", {}).get("horizon") or st["config"]["max_steps"])
+        if cfg.max_steps != horizon and self.rt.is_master:
+            if cfg.max_steps > horizon:
+                print(f"resume: max_steps {horizon} -> {cfg.max_steps}: the schedules end at step {horizon}; steps "
+                      f"{max(horizon, self.step)}..{cfg.max_steps} run at optim.final_lr {cfg.optim.final_lr:g} and "
+                      f"EMA momentum optim.ema[1] {cfg.optim.ema[1]:g} (a constant tail; the schedule never restarts)")
+            else:
+                print(f"resume: max_steps {horizon} -> {cfg.max_steps}: the run stops at step {cfg.max_steps}; the "
+                      f"schedules keep their horizon {horizon}")
+        return horizon
 
     def save(self) -> str | None:
         path = None
@@ -325,7 +365,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         net = rt.wrap(self.model)
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
-                                  stop_batch=cfg.max_steps * cfg.optim.accum_steps)
+                                  stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps)
         it = iter(rt.loader(dl, len(cfg.mask.sets)))
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
@@ -335,8 +375,8 @@ class Trainer:
             bar.set_postfix(postfix, refresh=False)
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         while self.step < cfg.max_steps:
-            set_scalar(self.lr, schedule.learning_rate(self.step, cfg.max_steps, cfg.optim))
-            set_scalar(self.momentum, schedule.ema_momentum(self.step, cfg.max_steps, cfg.optim))
+            set_scalar(self.lr, schedule.learning_rate(self.step, self.horizon, cfg.optim))
+            set_scalar(self.momentum, schedule.ema_momentum(self.step, self.horizon, cfg.optim))
             batches = []
             for _ in range(accum):
                 tw = time.perf_counter()
@@ -412,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pretrain: curves in {png}")
         if out["first_logged_loss"] is None:
             print(f"pretrain: nothing to do: the run is at step {trainer.step} of max_steps={cfg.max_steps} "
-                  f"(raise max_steps or change name= to train more); checkpoints {out['ckpt_dir']}")
+                  f"(raise max_steps to train on at the schedules' final values, or change name= to start a new "
+                  f"run); checkpoints {out['ckpt_dir']}")
         else:
             print(f"pretrain: {out['steps']} steps in {time.perf_counter() - t0:.1f}s; logged loss "
                   f"{out['first_logged_loss']} -> {out['last_logged_loss']}; skipped updates {out['skipped_updates']}; "
