@@ -32,7 +32,7 @@ def main() -> None:
     tr = pretrain.Trainer(cfg, rt)
     net = rt.wrap(tr.model)
     _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=cfg.seed, stop_batch=a.steps)
-    it = iter(rt.loader(dl, len(cfg.mask.sets)))
+    it = iter(rt.loader(dl))
     states, skipped, compiles = [], [], []
     for step in range(1, a.steps + 1):
         pretrain.set_scalar(tr.loss_scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)

@@ -213,3 +213,22 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         assert torch.allclose(ablation(x, [(ctx, tgt, valid)], targets), term_valid, atol=1e-6)
     with pytest.raises(ConfigError, match="loss.local_cell"):
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))
+
+
+def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cache, tmp_path):
+    """The SPMD input sharding is read off a dataset item, so mask.context=padded's validity
+    tensors are in it (a hand-kept key list missed them: issue 26, defect 8)."""
+    from conftest import tiny_train_args
+
+    from octfm import config
+    from train import data, masks, runtime
+    from train.config import TrainConfig
+
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml",
+                      tiny_train_args(tiny_cache, tmp_path, **{"mask.context": "padded"}))
+    grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+    rows = data.select_rows(cfg.data.cache, ["train"], None)
+    ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask), 0)
+    ranks = runtime.batch_ranks(ds[(0, 0)])
+    n = len(cfg.mask.sets)
+    assert ranks == {"x": 5, "aug": 2, **{f"{k}_{i}": 2 for i in range(n) for k in ("ctx", "tgt", "ctxvalid")}}

@@ -321,7 +321,7 @@ class Trainer:
         n_rows, dl = self._val
         if dl is None:
             return None
-        it = iter(self.rt.loader(dl, len(cfg.mask.sets)))
+        it = iter(self.rt.loader(dl))
         n = min(cfg.val_batches, n_rows // (cfg.batch_size * self.rt.world))
         total = torch.zeros((), device=self.rt.device)
         for _ in range(n):
@@ -366,7 +366,7 @@ class Trainer:
         net = rt.wrap(self.model)
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                   stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps)
-        it = iter(rt.loader(dl, len(cfg.mask.sets)))
+        it = iter(rt.loader(dl))
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
         postfix: dict = {}

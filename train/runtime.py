@@ -73,14 +73,15 @@ class Runtime:
         nb = self.kind == "cuda"
         return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
 
-    def loader(self, dl, mask_sets: int):
+    def loader(self, dl):
         """On XLA, MpDeviceLoader: host-to-device copies overlap compute, and under SPMD
-        every batch tensor is sharded along its batch axis over the mesh's data axis."""
+        every batch tensor is sharded along its batch axis over the mesh's data axis (the
+        tensors read off one item of the dataset, so a key the config adds is never missed)."""
         if self.kind != "xla":
             return dl
         import torch_xla.distributed.parallel_loader as pl
 
-        sharding = _batch_sharding(self.mesh, mask_sets) if self.mesh is not None else None
+        sharding = _batch_sharding(self.mesh, batch_ranks(dl.dataset[(0, 0)])) if self.mesh is not None else None
         return pl.MpDeviceLoader(dl, self.device, input_sharding=sharding)
 
     def barrier(self) -> None:
@@ -92,21 +93,19 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def _batch_sharding(mesh, mask_sets: int) -> dict:
+def batch_ranks(item: dict) -> dict[str, int]:
+    """Each batch tensor's rank, from one dataset item (the loader stacks items on a new first axis)."""
+    return {k: v.dim() + 1 for k, v in item.items()}
+
+
+def _batch_sharding(mesh, ranks: dict[str, int]) -> dict:
     """Shard every batch tensor along its first (batch) axis over the data axis. With several
     hosts each loads its own slice of the global batch (minibatch=True)."""
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     multi_host = xr.process_count() > 1
-
-    def spec(ndim: int):
-        return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1), minibatch=multi_host)
-
-    out = {"x": spec(5), "aug": spec(2)}
-    for i in range(mask_sets):
-        out[f"ctx_{i}"] = out[f"tgt_{i}"] = spec(2)
-    return out
+    return {k: xs.ShardingSpec(mesh, ("data",) + (None,) * (n - 1), minibatch=multi_host) for k, n in ranks.items()}
 
 
 def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
