@@ -3,13 +3,17 @@ frozen encoder's pooled embedding, in `<run>/embeddings.parquet`.
 
 So a user needs `pd.read_parquet` and a join with participants.tsv, nothing of this code.
 Streamed: volumes are embedded a batch at a time and written in chunks of `--chunk` rows
-under `<out>.parts/`, so memory does not grow with the cache and a killed run resumes from
-the chunks it wrote; the table is then assembled chunk by chunk. Volumes the probes already
-embedded (the feature cache of `make probe` for this checkpoint) are taken from there.
+under `<out>.parts/<key>/` (the key names the checkpoint, cache and settings, and each chunk
+carries it), so memory does not grow with the cache and a killed run resumes from the chunks
+it wrote with the same key only; the table is then assembled chunk by chunk. A lock file
+`<out>.lock` refuses a second run on the same output while the first is alive. Volumes the
+probes already embedded (the feature cache of `make probe` for this checkpoint) are taken
+from there.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import time
@@ -56,10 +60,20 @@ def to_table(rows: list[dict], pooled: np.ndarray, schema: pa.Schema) -> pa.Tabl
     return pa.Table.from_pydict({**cols, "embedding": emb}, schema=schema)
 
 
+def has_key(path: Path, key: str) -> bool:
+    return (pq.read_schema(path).metadata or {}).get(KEY_META) == key.encode()
+
+
 def done_tables(out: Path, parts: Path, key: str) -> list[Path]:
-    """Files holding rows already embedded with this key: the previous table and any chunks."""
-    found = sorted(parts.glob("chunk-*.parquet"))
-    if out.exists() and (pq.read_schema(out).metadata or {}).get(KEY_META) == key.encode():
+    """Files holding rows already embedded with this key: the previous table and this key's
+    chunks (a chunk that carries another key is set aside, with a message)."""
+    found = []
+    for f in sorted(parts.glob("chunk-*.parquet")):
+        if has_key(f, key):
+            found.append(f)
+        else:
+            print(f"embed: {f} was written with another key; not reused", file=sys.stderr)
+    if out.exists() and has_key(out, key):
         found.insert(0, out)
     return found
 
@@ -75,7 +89,7 @@ def done_keys(files: list[Path]) -> set[tuple[str, str]]:
 def probe_features(ckpt_ident: dict, cfg, run: RunFolder, cache: str) -> dict[tuple[str, str], np.ndarray]:
     """Pooled features `make probe` already extracted for this checkpoint (its default
     settings), keyed by (relpath, cache_key); empty when there are none."""
-    rows = probe.labelled_rows(cache, 0, False)
+    rows = probe.probed_rows(cache)  # no split check: embedding reads volumes, it trains nothing
     path = run.features / f"{features.feature_key(ckpt_ident, rows, cfg, ProbeConfig().token_pool)}.npz"
     if not rows or not path.exists():
         return {}
@@ -108,14 +122,26 @@ def assemble(out: Path, files: list[Path], rows: list[dict], schema: pa.Schema) 
 
 def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: int = 4, chunk: int = 256,
           device: str = "cpu", progress: bool = True) -> dict:
+    """One output at a time (`<out>.lock`): a second run on it while the first lives is refused."""
     enc, cfg, ident = features.load_encoder(ckpt)
-    cache = cache or cfg.data.cache
+    out_path = Path(out) if out else RunFolder(Path(cfg.runs_dir) / cfg.name).embeddings
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = out_path.with_name(out_path.name + ".lock")
+    try:
+        with fsio.pid_lock(lock, on_stale=lambda m: print(f"embed: {m}", file=sys.stderr)):
+            return _embed(enc, cfg, ident, cache or cfg.data.cache, out_path, batch, chunk, device, progress)
+    except fsio.Busy as exc:
+        raise cli.UsageError(f"--out {out_path}: another make embed is writing it ({exc}); wait for it to "
+                             f"finish, or choose another OUT") from None
+
+
+def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk: int, device: str,
+           progress: bool) -> dict:
     run = RunFolder(Path(cfg.runs_dir) / cfg.name)
-    out_path = Path(out) if out else run.embeddings
-    parts = out_path.with_name(out_path.name + ".parts")
     model = encoder.wrap(enc, cfg.data.stride, cfg.data.input_shape).to(device)
     rows = data.select_rows(cache, (*SPLITS, None), None)
     key = embed_key(ident, cfg, cache)
+    parts = out_path.with_name(out_path.name + ".parts") / key
     schema = table_schema(cfg.model.dim, key)
     files = done_tables(out_path, parts, key)
     done = done_keys(files)
@@ -148,6 +174,8 @@ def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: in
     current = {(r["relpath"], r["cache_key"]) for r in rows}
     n = assemble(out_path, files, rows, schema) if todo or done != current or not out_path.exists() else len(rows)
     shutil.rmtree(parts, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        parts.parent.rmdir()  # when no other key's chunks wait there
     return {"out": str(out_path), "rows": n, "embedded": len(todo) - reused, "from_probe_features": reused,
             "already_done": len(rows) - len(todo), "dim": cfg.model.dim, "cache": cache}
 

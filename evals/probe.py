@@ -42,9 +42,16 @@ def resolve_checkpoint(cfg: ProbeConfig) -> str:
     raise cli.UsageError("probe config: set `run` (a pretraining run folder) or `ckpt` (or CKPT=...)")
 
 
+def probed_rows(cache: str) -> list[dict]:
+    """Cached ok volumes with a label and a split, in manifest order: what probe features are
+    extracted for (and keyed on)."""
+    return [r for r in data.select_rows(cache, ["train", "val", "test"], None) if r["label"] is not None]
+
+
 def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
-    """Cached ok volumes with a label and a split; no participant may sit in two splits."""
-    rows = [r for r in data.select_rows(cache, ["train", "val", "test"], None) if r["label"] is not None]
+    """The probed rows, checked: no participant may sit in two splits (a probe trained on one
+    of them would be tested on them too)."""
+    rows = probed_rows(cache)
     leaks = split_leaks(pd.DataFrame(rows))
     if leaks:
         raise cli.UsageError(f"{cache}: participants in more than one split: {leaks[:10]}")

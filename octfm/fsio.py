@@ -251,3 +251,44 @@ def write_parquet_atomic(table, uri: str) -> None:
 def temp_name(name: str, tag: str = "") -> str:
     """A sibling temp name that cleanup can recognise (`.<name>.tmp-<tag>-<uuid>`)."""
     return f".{name}.tmp-{tag}-{uuid.uuid4().hex[:12]}"
+
+
+class Busy(Exception):
+    """Another live process holds the lock."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+@contextlib.contextmanager
+def pid_lock(path: Path, on_stale=print):
+    """Hold `path` (a local file created with O_EXCL, holding our pid) for the block. A lock whose
+    pid is gone (a killed run) is taken over, saying so through `on_stale`; a live one raises
+    Busy with its pid. Removed on exit."""
+    path = Path(path)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if attempt or (pid and _alive(pid)):
+                raise Busy(f"{path} is held by pid {pid or 'unknown'}") from None
+            on_stale(f"{path}: taking over the lock of pid {pid or 'unknown'}, which is gone")
+            path.unlink(missing_ok=True)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        yield
+    finally:
+        path.unlink(missing_ok=True)

@@ -1,5 +1,7 @@
 """`make embed`: a pandas table with one row per cached volume and its pooled embedding;
-reuses the probes' features, and a killed run resumes from the chunks it wrote."""
+reuses the probes' features, a killed run resumes from the chunks it wrote (its own
+checkpoint's only), a second run on the same output is refused while the first lives, and a
+split leak in the manifest does not stop it (issue 26, defect 1)."""
 from __future__ import annotations
 
 import os
@@ -71,14 +73,14 @@ def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     parts = tmp_path / "emb.parquet.parts"
     deadline = time.time() + 120
-    while time.time() < deadline and len(list(parts.glob("chunk-*.parquet"))) < 2:
+    while time.time() < deadline and len(list(parts.rglob("chunk-*.parquet"))) < 2:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
     time.sleep(0.5)
     assert proc.poll() is None, "the run was expected to block on the FIFO volume"
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert len(list(parts.glob("chunk-*.parquet"))) == 2 and not out.exists()  # rows 0-3 written, row 5 blocked
+    assert len(list(parts.rglob("chunk-*.parquet"))) == 2 and not out.exists()  # rows 0-3 written, row 5 blocked
 
     chunk.unlink()
     chunk.write_bytes(saved)
@@ -90,3 +92,65 @@ def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
     assert list(df.relpath) == [r["relpath"] for r in rows]
     np.testing.assert_allclose(np.stack(df.embedding.to_numpy()), expected_embeddings(ckpt, cache, rows),
                                atol=1e-5, rtol=0)
+
+
+def test_chunks_another_checkpoint_left_are_not_taken(tiny_run, tiny_cache, tmp_path):
+    """A run of checkpoint A killed with its chunks on disk, then B on the same output: B's
+    table holds B's vectors (before: A's, under B's key)."""
+    from evals import embed
+
+    a_ckpt, b_ckpt = str(tiny_run / "checkpoints" / "step_0000002.pt"), str(tiny_run / "checkpoints" / "step_0000004.pt")
+    a_table = tmp_path / "a.parquet"
+    assert run_cli("evals.embed", "--ckpt", a_ckpt, "--out", str(a_table), "--no-progress").returncode == 0
+    out = tmp_path / "emb.parquet"
+    parts = tmp_path / "emb.parquet.parts"
+    _, cfg, ident = features.load_encoder(b_ckpt)
+    b_key = embed.embed_key(ident, cfg, cfg.data.cache)
+    for where in (parts, parts / b_key):  # where a killed A left chunks: the old layout, and mislabelled under B's key
+        where.mkdir(parents=True, exist_ok=True)
+        shutil.copy(a_table, where / "chunk-00000.parquet")
+    r = run_cli("evals.embed", "--ckpt", b_ckpt, "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
+    df = pd.read_parquet(out)
+    np.testing.assert_allclose(np.stack(df.embedding.to_numpy())[:4], expected_embeddings(b_ckpt, tiny_cache, rows[:4]),
+                               atol=1e-5, rtol=0)
+    assert "written with another key; not reused" in r.stderr
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_lives(tiny_run, tmp_path):
+    ckpt = str(tiny_run / "checkpoints" / "step_0000004.pt")
+    out = tmp_path / "emb.parquet"
+    lock = tmp_path / "emb.parquet.lock"
+    lock.write_text(str(os.getpid()))                      # a live holder: this test's process
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    assert r.returncode == 2 and "another make embed is writing it" in r.stderr and str(os.getpid()) in r.stderr
+    assert not out.exists()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(str(gone.pid))                          # a killed run's lock
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert f"taking over the lock of pid {gone.pid}" in r.stderr and out.exists() and not lock.exists()
+
+
+def test_a_split_leak_does_not_stop_embedding(tiny_run, tiny_cache, tmp_path):
+    """Embedding trains nothing, so a participant in two splits (which the probes refuse) is
+    embedded like any other; the probes' features are still reused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    part = next((cache / "manifest.parquet").glob("*.parquet"))
+    t = pq.read_table(part).to_pandas()
+    who = t[t.split == "train"].participant_id.iloc[0]
+    first = t.index[t.participant_id == who][0]
+    t.loc[first, "split"] = "test"                          # one of their volumes in test, the rest in train
+    pq.write_table(pa.Table.from_pandas(t, schema=pq.read_schema(part), preserve_index=False), part)
+    ckpt = probed_checkpoint(tiny_run)
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(tmp_path / "e.parquet"),
+                "--no-progress")
+    assert r.returncode == 0, r.stderr
+    rows = data.select_rows(str(cache), ["train", "val", "test"], None)
+    assert len(pd.read_parquet(tmp_path / "e.parquet")) == len(rows)
