@@ -24,6 +24,15 @@ class ConfigError(UsageError):
     """A config key is unknown, missing or of the wrong type."""
 
 
+class FieldError(ConfigError):
+    """A config dataclass's own check of one of its fields (raised in __post_init__);
+    `from_dict` adds the file and the key's full path."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"key '{key}': {message}")
+        self.key, self.message = key, message
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -111,7 +120,10 @@ def from_dict(cls: type[T], data: dict, prefix: str = "", where: str = "config")
             kwargs[name] = _coerce(data[name], hints[name], prefix + name, where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing key '{prefix}{name}'")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except FieldError as exc:
+        raise ConfigError(f"{where}: key '{prefix}{exc.key}': {exc.message}") from None
 
 
 def to_dict(obj: Any) -> Any:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from octfm.config import FieldError
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -16,10 +18,19 @@ class DataConfig:
     stride: tuple[int, int, int] = (1, 1, 1)       # host-side subsampling of the cached grid
     input_shape: tuple[int, int, int] = (64, 384, 384)  # random crop (D, H, W) fed to the model
     flip_prob: float = 0.5                         # left-right flip (columns)
+    # Random-resized crop: per sample and axis, a box of a fraction in [lo, hi] of input_shape is
+    # cut at a random place and resized (trilinear) to input_shape, a zoom of 1 to 1/lo; [1, 1]:
+    # the plain random crop. Scale jitter for a cache stored at the crop's own size.
+    scale: tuple[float, float] = (1.0, 1.0)
     intensity_jitter: float = 0.1                  # device-side gain/offset jitter amplitude
     workers: int = 2
     start_method: Literal["spawn", "forkserver"] = "forkserver"
     prefetch_factor: int = 2
+
+    def __post_init__(self):
+        lo, hi = self.scale
+        if not (0 < lo <= hi <= 1):
+            raise FieldError("scale", f"{list(self.scale)}: needs 0 < lo <= hi <= 1 (fractions of data.input_shape)")
 
 
 @dataclasses.dataclass

@@ -62,16 +62,29 @@ class CacheDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def zooms(self) -> bool:
+        return self.augment and tuple(self.cfg.scale) != (1.0, 1.0)
+
     def transforms(self):
-        """MONAI spatial transforms (crop, left-right flip) on uint8, meta tracking off."""
+        """MONAI spatial transforms on uint8, meta tracking off: a random crop of input_shape,
+        or with data.scale a random box of a fraction of it resized back (trilinear), then the
+        left-right flip."""
         if self._transforms is None:
             import monai
-            from monai.transforms import Compose, RandFlip, RandSpatialCrop
+            from monai.transforms import Compose, RandFlip, RandSpatialCrop, Resize
 
             monai.data.set_track_meta(False)
+            shape = tuple(self.cfg.input_shape)
+            if self.zooms:
+                lo, hi = self.cfg.scale
+                crop = [RandSpatialCrop(tuple(max(1, round(lo * n)) for n in shape),
+                                        max_roi_size=tuple(max(1, round(hi * n)) for n in shape), random_size=True),
+                        Resize(shape, mode="trilinear")]
+            else:
+                crop = [RandSpatialCrop(shape, random_size=False)]
             self._transforms = Compose([
-                RandSpatialCrop(tuple(self.cfg.input_shape), random_size=False),
-                RandFlip(prob=self.cfg.flip_prob if self.augment else 0.0, spatial_axis=2),
+                *crop, RandFlip(prob=self.cfg.flip_prob if self.augment else 0.0, spatial_axis=2),
             ])
         return self._transforms
 
@@ -84,7 +97,10 @@ class CacheDataset(Dataset):
         vol = np.ascontiguousarray(vol[::s[0], ::s[1], ::s[2]])[None]
         t = self.transforms()
         t.set_random_state(seed=int(rng.integers(2 ** 31)))
-        x = torch.as_tensor(t(vol)).to(torch.uint8).contiguous()
+        x = torch.as_tensor(t(vol))
+        if x.is_floating_point():  # resized: round back to the cache's grey levels
+            x = x.round_().clamp_(0, 255)
+        x = x.to(torch.uint8).contiguous()
         sets = M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)

@@ -1,0 +1,56 @@
+"""The training crop (issue 26, defect 9): `data.scale` cuts a random box of a fraction of the
+crop and resizes it back, so a cache stored at the crop's own size (production: 64 x 384 x 384)
+still sees scale and position jitter; [1, 1] is the plain random crop, unchanged."""
+import pytest
+import torch
+from conftest import tiny_train_args
+
+from octfm import config
+from octfm.config import ConfigError
+from train import data, masks
+from train.config import TrainConfig
+
+SMOKE = "configs/pretrain_smoke.yaml"
+
+
+def dataset(cache, tmp_path, **extra) -> data.CacheDataset:
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, tmp_path, **extra))
+    grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+    rows = data.select_rows(cfg.data.cache, ["train"], None)
+    return data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask), 0)
+
+
+def test_the_default_scale_is_the_plain_random_crop(tiny_cache, tmp_path):
+    """[1, 1] gives, bit for bit, what the pipeline before data.scale gave (rebuilt here as it
+    was: MONAI's random crop then the flip, seeded from the sample's generator)."""
+    from monai.transforms import Compose, RandFlip, RandSpatialCrop
+
+    from cache import store
+
+    ds = dataset(tiny_cache, tmp_path)
+    assert tuple(ds.cfg.scale) == (1.0, 1.0)
+    for key in [(0, 0), (1, 3), (2, 5)]:
+        before = Compose([RandSpatialCrop(tuple(ds.cfg.input_shape), random_size=False),
+                          RandFlip(prob=ds.cfg.flip_prob, spatial_axis=2)])
+        before.set_random_state(seed=int(data.sample_rng(0, *key).integers(2 ** 31)))
+        vol = store.read_volume(ds.cfg.cache, ds.rows[key[1]]["volume"])[None]
+        assert torch.equal(ds[key]["x"], torch.as_tensor(before(vol)).to(torch.uint8))
+
+
+def test_a_scale_below_one_zooms_a_random_box_back_to_the_crop(tiny_cache, tmp_path):
+    plain = dataset(tiny_cache, tmp_path, **{"data.flip_prob": 0.0})
+    zoom = dataset(tiny_cache, tmp_path, **{"data.flip_prob": 0.0, "data.scale": "[0.5,0.8]"})
+    changed = 0
+    for key in [(0, 0), (0, 1), (1, 2)]:
+        a, b = plain[key]["x"], zoom[key]["x"]
+        assert b.shape == a.shape == (1, *plain.cfg.input_shape) and b.dtype == torch.uint8
+        changed += not torch.equal(a, b)
+        assert torch.equal(b, zoom[key]["x"])              # the same key: the same box (resumable, worker-free)
+    assert changed == 3
+    assert not torch.equal(zoom[(0, 0)]["x"], zoom[(1, 0)]["x"])  # another epoch: another box
+
+
+@pytest.mark.parametrize("bad", ["[0.9,0.8]", "[0.0,1.0]", "[0.5,1.5]"])
+def test_a_bad_scale_is_refused_by_its_key(bad, tiny_cache, tmp_path):
+    with pytest.raises(ConfigError, match=r"key 'data.scale'"):
+        config.load(TrainConfig, SMOKE, tiny_train_args(tiny_cache, tmp_path, **{"data.scale": bad}))
