@@ -93,7 +93,7 @@ def child_worker(a: dict) -> dict:
     the steady-state seconds per volume of process_row and of each part (medians)."""
     from cache import store, worker
     from cache.config import CacheConfig
-    from ingest.dicom import read_volume
+    from ingest.dicom import decode_volume
     from octfm import config
 
     worker._init_worker()  # imports torch, as the pool's forkserver preloads it
@@ -113,13 +113,13 @@ def child_worker(a: dict) -> dict:
     cpu = (time.process_time() - cpu) / n
     cfg = config.from_dict(CacheConfig, cfg_dict).preprocess
     data = worker.read_with_retries(a["src"], 1)
-    vol = read_volume(data)
+    vol = decode_volume(data)
     lo, hi = prep.window(vol.pixels, cfg)
     out = prep.rescale_resize(vol.pixels, lo, hi, tuple(cfg.target_shape), cfg.slab_frames)
     parts = {
         "read": _median_time(lambda: worker.read_with_retries(a["src"], 1), n),
         "sha1": _median_time(lambda: hashlib.sha1(data).hexdigest(), n),
-        "decode": _median_time(lambda: read_volume(data), n),
+        "decode": _median_time(lambda: decode_volume(data), n),
         "window": _median_time(lambda: prep.window(vol.pixels, cfg), n),
         "resample": _median_time(lambda: prep.rescale_resize(vol.pixels, lo, hi, tuple(cfg.target_shape),
                                                              cfg.slab_frames), n),
@@ -135,7 +135,7 @@ def child_reads(a: dict) -> dict:
     import torch
 
     from cache import store, worker
-    from ingest.dicom import read_volume
+    from ingest.dicom import decode_volume
 
     torch.set_num_threads(1)
     n, path, target = a["repeat"], Path(a["src"]), tuple(a["target"])
@@ -150,7 +150,7 @@ def child_reads(a: dict) -> dict:
         numcodecs.blosc.decompress(max(files, key=lambda f: f.stat().st_size).read_bytes())
 
     def worker_path() -> np.ndarray:
-        vol = read_volume(worker.read_with_retries(str(path), 1))
+        vol = decode_volume(worker.read_with_retries(str(path), 1))
         return prep.preprocess(vol.pixels, prep.PreprocessConfig(target_shape=target))[0]
 
     vol = naive_decode(path)
@@ -393,8 +393,8 @@ def run(workdir: Path, quick: bool = False):
     res["worker_peak_over_decoded_volume"] = round((tri["peak_kb"] - tri["base_kb"]) * 1024 / decoded, 2)
 
     # fidelity on the full-size Triton volume
-    from ingest.dicom import read_volume
-    pixels = read_volume(sources[TRITON].read_bytes()).pixels
+    from ingest.dicom import decode_volume
+    pixels = decode_volume(sources[TRITON].read_bytes()).pixels
     cfg = prep.PreprocessConfig(target_shape=target)
     lo, hi = prep.window(pixels, cfg)
     within, worst = prep.level_agreement(prep.rescale_resize(pixels, lo, hi, target),

@@ -34,7 +34,7 @@ class Shard:
         return f"{self.index}/{self.count} (from {self.origin})"
 
 
-def parse(text: str) -> tuple[int, int]:
+def parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(v) for v in text.split("/"))
     except ValueError:
@@ -45,7 +45,7 @@ def parse(text: str) -> tuple[int, int]:
 
 
 def _checked(index: str, count: str | int, origin: str) -> Shard:
-    i, n = parse(f"{index}/{count}")
+    i, n = parse_shard(f"{index}/{count}")
     return Shard(i, n, origin)
 
 
@@ -101,7 +101,7 @@ def from_environment(env=None, count: int | None = None) -> Shard | None:
 def resolve(explicit: str | None, count: int | None = None, env=None) -> Shard:
     """SHARD=i/N when given, else the scheduler's, else the whole dataset (0/1)."""
     if explicit:
-        i, n = parse(explicit)
+        i, n = parse_shard(explicit)
         return Shard(i, n, f"SHARD={explicit}")
     return from_environment(env, count) or Shard(0, 1, "default: no SHARD and no scheduler variables")
 

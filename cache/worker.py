@@ -13,7 +13,7 @@ import time
 from cache import store
 from cache.config import CacheConfig
 from ingest import preprocess as prep
-from ingest.dicom import BadInput, read_volume
+from ingest.dicom import BadInput, decode_volume
 from manifests import layout, schema
 from octfm import archives, config, fsio
 
@@ -86,7 +86,7 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
             if md5 != row["expected_md5"]:
                 raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
         t1 = time.perf_counter()
-        vol = read_volume(data, max_voxels=cfg.preprocess.max_voxels, decoder=cfg.preprocess.decoder,
+        vol = decode_volume(data, max_voxels=cfg.preprocess.max_voxels, decoder=cfg.preprocess.decoder,
                           accept_any_sop=cfg.preprocess.accept_any_sop)
         del data
         t2 = time.perf_counter()

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 from scipy import ndimage
 from sklearn.linear_model import LogisticRegression
@@ -35,11 +34,11 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from cache import store
-from evals import supervised
-from evals.features import load_encoder
+from evals import probe, supervised
+from evals.features import checkpoint_encoder
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio
-from train import checkpoint, data, encode
+from train import checkpoint, data, encoder
 from train.config import TrainConfig
 
 TASK = "diabetic"
@@ -65,9 +64,11 @@ def global_statistics(vol: np.ndarray) -> list[float]:
 
 def lesion_counts(vol: np.ndarray) -> list[float]:
     """Blobs brighter / darker than their en-face neighbourhood inside the retina's mid-grey
-    band of the central crop of a 32 x 128 x 128 volume: smoothing across frames and columns
-    only removes the layers (smooth there) and keeps local lesions."""
-    c = vol[:, 16:112, 16:112]
+    band of the central three quarters of rows and columns: smoothing across frames and
+    columns only removes the layers (smooth there) and keeps local lesions. Its widths and
+    thresholds were set on 32 x 128 x 128 caches (the learning check's)."""
+    h, w = vol.shape[1:]
+    c = vol[:, h // 8:h - h // 8, w // 8:w - w // 8]
     background = ndimage.gaussian_filter(c, (4, 0.7, 10))
     d = ndimage.gaussian_filter(c, (1, 1, 1.5)) - background
     band = (background > 90) & (background < 200)
@@ -89,17 +90,16 @@ def held_out_score(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
 def statistics_scores(cache: str) -> dict:
     """Global statistics and blob counter, held out over participants, on every ok labelled row
     (one volume in memory at a time: a 1,000-participant cache is 4.7 GB as float32)."""
-    df = pd.read_parquet(Path(cache) / "manifest.parquet")
-    df = df[(df.status == "ok") & df.label.notna()].reset_index(drop=True)
+    rows = data.select_rows(cache, probe.PROBED_SPLITS, None, labelled=True)
     glob, counts = [], []
-    for v in df.volume:
-        vol = store.read_volume(cache, v).astype(np.float32)
+    for r in rows:
+        vol = store.read_volume(cache, r["volume"]).astype(np.float32)
         glob.append(global_statistics(vol))
         counts.append(lesion_counts(vol))
-    y = np.array([TASKS[TASK]["map"](v) for v in df.label])
-    groups = df.participant_id.to_numpy()
+    y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
+    groups = np.array([r["participant_id"] for r in rows])
     return {"global": held_out_score(np.array(glob), y, groups), "counter": held_out_score(np.array(counts), y, groups),
-            "volumes": len(df), "participants": int(df.participant_id.nunique()), "devices": int(df.device.nunique())}
+            "volumes": len(rows), "participants": len(set(groups)), "devices": len({r["device"] for r in rows})}
 
 
 CUBE = (8, 16, 16)
@@ -131,21 +131,21 @@ class Planted(supervised.Labelled):
 def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0) -> dict:
     """The supervised checkpoint's own head on centre crops: train (first `cap`) and val
     (with `plant`, every positive volume carries the cube too, so the score reads the cue)."""
-    enc, _, _ = load_encoder(ckpt)
+    enc, _, _ = checkpoint_encoder(ckpt)
     st = checkpoint.load(ckpt)
     head = torch.nn.Linear(cfg.model.dim, TASKS[TASK]["classes"])
     head.load_state_dict(st["head"])
     out = {}
     for split, n in (("train", cap), ("val", None)):
-        rows = supervised.labelled_rows(cfg, split)[:n]
+        rows = supervised.task_rows(cfg, split)[:n]
         y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
         pred, start = [], 0
         with torch.no_grad():
-            for x, k in encode.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
+            for x, k in encoder.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
                 if plant:  # seeds apart from the training crops' (epoch, index) keys
                     x = torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
                                      for j, v in enumerate(x)])
-                pred.append(head(enc.pool(encode.tokens(enc, x))).argmax(1)[:k].numpy())
+                pred.append(head(enc.pool(encoder.tokens(enc, x))).argmax(1)[:k].numpy())
                 start += k
         out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
     return out
@@ -182,7 +182,7 @@ def verdict(res: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals.cohort_screen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache", required=True, help="a labelled cache (32 x 128 x 128 for the counter)")
+    ap.add_argument("--cache", required=True, help="a labelled cache (the counter was tuned on 32 x 128 x 128)")
     ap.add_argument("--out", required=True, help="where the supervised checkpoint and screen.json go")
     ap.add_argument("--config", default="configs/pretrain_check.yaml")
     ap.add_argument("--steps", type=int, default=None, help="supervised steps (default: the config's max_steps)")

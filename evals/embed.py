@@ -53,7 +53,7 @@ def embed_key(ident: dict, cfg, cache: str) -> str:
     return config.content_key(blob)
 
 
-def to_table(rows: list[dict], pooled: np.ndarray, schema: pa.Schema) -> pa.Table:
+def embedding_table(rows: list[dict], pooled: np.ndarray, schema: pa.Schema) -> pa.Table:
     cols = {k: [r.get(k) for r in rows] for k in KEYS}
     dim = pooled.shape[1]
     emb = pa.FixedSizeListArray.from_arrays(pa.array(pooled.astype(np.float32).ravel()), dim)
@@ -89,7 +89,8 @@ def done_keys(files: list[Path]) -> set[tuple[str, str]]:
 def probe_features(ckpt_ident: dict, cfg, run: RunFolder, cache: str) -> dict[tuple[str, str], np.ndarray]:
     """Pooled features `make probe` already extracted for this checkpoint (its default
     settings), keyed by (relpath, cache_key); empty when there are none."""
-    rows = probe.probed_rows(cache)  # no split check: embedding reads volumes, it trains nothing
+    # the probes' rows without their split check: embedding reads volumes, it trains nothing
+    rows = data.select_rows(cache, probe.PROBED_SPLITS, None, labelled=True)
     path = run.features / f"{features.feature_key(ckpt_ident, rows, cfg, ProbeConfig().token_pool)}.npz"
     if not rows or not path.exists():
         return {}
@@ -123,7 +124,7 @@ def assemble(out: Path, files: list[Path], rows: list[dict], schema: pa.Schema) 
 def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: int = 4, chunk: int = 256,
           device: str = "cpu", progress: bool = True) -> dict:
     """One output at a time (`<out>.lock`): a second run on it while the first lives is refused."""
-    enc, cfg, ident = features.load_encoder(ckpt)
+    enc, cfg, ident = features.checkpoint_encoder(ckpt)
     out_path = Path(out) if out else RunFolder(Path(cfg.runs_dir) / cfg.name).embeddings
     out_path.parent.mkdir(parents=True, exist_ok=True)
     lock = out_path.with_name(out_path.name + ".lock")
@@ -168,7 +169,7 @@ def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk:
             pooled[idx] = model(x).pooled.cpu().numpy()
             bar.update(len(idx))
         name = parts / f"chunk-{len(files):05d}.parquet"
-        fsio.write_parquet_atomic(to_table(part_rows, pooled, schema), str(name))
+        fsio.write_parquet_atomic(embedding_table(part_rows, pooled, schema), str(name))
         files.append(name)
     bar.close()
     current = {(r["relpath"], r["cache_key"]) for r in rows}

@@ -9,14 +9,14 @@ import numpy as np
 import torch
 
 from octfm import config, fsio
-from train import checkpoint, encode
+from train import checkpoint, encoder
 from train.config import TrainConfig
 from train.model import Encoder
 
 FEATURE_VERSION = "1"
 
 
-def load_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None) -> tuple[Encoder, TrainConfig, dict]:
+def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None) -> tuple[Encoder, TrainConfig, dict]:
     """The EMA target encoder of a checkpoint (V-JEPA evaluates it), or a random one of the
     same architecture when ckpt is None (the baseline). Returns encoder, config, identity."""
     if ckpt:
@@ -41,8 +41,8 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
     the encoder's `model.pool` says."""
     enc = enc.to(device)
     pooled, tokens = [], []
-    for x, n in encode.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
-        h = encode.tokens(enc, x.to(device))                                         # [b, N, d]
+    for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
+        h = encoder.tokens(enc, x.to(device))                                         # [b, N, d]
         pooled.append(enc.pool(h).cpu())
         tokens.append(enc.pool_grid(h, token_pool).half().cpu())
         if progress:

@@ -42,16 +42,14 @@ def resolve_checkpoint(cfg: ProbeConfig) -> str:
     raise cli.UsageError("probe config: set `run` (a pretraining run folder) or `ckpt` (or CKPT=...)")
 
 
-def probed_rows(cache: str) -> list[dict]:
-    """Cached ok volumes with a label and a split, in manifest order: what probe features are
-    extracted for (and keyed on)."""
-    return [r for r in data.select_rows(cache, ["train", "val", "test"], None) if r["label"] is not None]
+PROBED_SPLITS = ("train", "val", "test")
 
 
 def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
-    """The probed rows, checked: no participant may sit in two splits (a probe trained on one
-    of them would be tested on them too)."""
-    rows = probed_rows(cache)
+    """Cached ok volumes with a label and a split (what probe features are extracted for),
+    checked: no participant may sit in two splits (a probe trained on one of them would be
+    tested on them too)."""
+    rows = data.select_rows(cache, PROBED_SPLITS, None, labelled=True)
     leaks = split_leaks(pd.DataFrame(rows))
     if leaks:
         raise cli.UsageError(f"{cache}: participants in more than one split: {leaks[:10]}")
@@ -223,7 +221,7 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
     """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of a
     random-init one of the same architecture, extracted once and kept under <probe_dir>/features."""
     check_tasks(cfg)
-    enc, tcfg, ident = features.load_encoder(ckpt)
+    enc, tcfg, ident = features.checkpoint_encoder(ckpt)
     cache = cfg.cache or tcfg.data.cache
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
@@ -231,7 +229,7 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     encoders = {"pretrained": (enc, ident)}
     if cfg.baselines:
-        r_enc, _, r_ident = features.load_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
+        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
         encoders["random_init"] = (r_enc, r_ident)
     feats, reused = {}, {}
     for name, (e, idn) in encoders.items():

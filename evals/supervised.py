@@ -18,13 +18,14 @@ from tqdm import tqdm
 from evals import probe_heads
 from manifests.aireadi import TASKS
 from octfm import cli, config
-from train import checkpoint, data, encode, masks
+from train import checkpoint, data, masks
 from train.config import TrainConfig
 from train.model import Encoder
 
 
-def labelled_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:
-    rows = [r for r in data.select_rows(cfg.data.cache, [split], cfg.data.devices) if r["label"] is not None]
+def task_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:
+    """The split's labelled rows of the training config's cache and devices."""
+    rows = data.select_rows(cfg.data.cache, [split], cfg.data.devices, labelled=True)
     if not rows:
         raise cli.UsageError(f"data.cache: {cfg.data.cache} has no labelled {split} rows for the supervised reference")
     return rows
@@ -47,7 +48,7 @@ class Labelled(Dataset):
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
           progress: bool = True, dataset=Labelled, participants: set[str] | None = None) -> str:
     """Train encoder + linear head on `task` for `steps` steps on CPU; returns the checkpoint
-    (its `target` holds the encoder, so `evals.features.load_encoder` reads it). A finished
+    (its `target` holds the encoder, so `evals.features.checkpoint_encoder` reads it). A finished
     checkpoint is reused: the check is resumable at this granularity. `dataset(ds, y)` wraps
     the crops (evals/cohort_screen.py plants a cue with it); `participants` narrows the train
     rows to a label fraction (the learning check's curves)."""
@@ -55,7 +56,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     if done:
         return done
     spec = TASKS[task]
-    rows = [r for r in labelled_rows(cfg) if participants is None or r["participant_id"] in participants]
+    rows = [r for r in task_rows(cfg) if participants is None or r["participant_id"] in participants]
     y = [spec["map"](r["label"]) for r in rows]
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.model, cfg.data.input_shape)

@@ -213,7 +213,7 @@ def unsigned_monochrome2(ds: pydicom.Dataset, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def read_volume(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, decoder: str = "auto",
+def decode_volume(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, decoder: str = "auto",
                 accept_any_sop: bool = False) -> Volume:
     """Bytes of one DICOM -> validated Volume, or BadInput naming what was wrong."""
     ds, span = parse_native(data)

@@ -34,7 +34,7 @@ class VerifyError(Exception):
     """What was written is not what the archive says it holds."""
 
 
-def list_tree(root: str) -> dict[str, int]:
+def file_sizes(root: str) -> dict[str, int]:
     """relpath -> size of every file under `root`, from one listing ({} when absent)."""
     return {rel: int(info.get("size") or 0) for rel, info in fsio.list_tree(root).items()}
 
@@ -141,7 +141,7 @@ def check_roots(source: str, dst: str) -> None:
 def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> dict:
     check_roots(source, dst)
     t0 = time.perf_counter()
-    tree = list_tree(source)
+    tree = file_sizes(source)
     if not tree:
         raise cli.UsageError(f"SOURCE={source}: no files found")
     zips = sorted(r for r in tree if archives.is_archive(r))
@@ -159,7 +159,7 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
                      "error": f"duplicate: {rel} holds a path already in {holder}"} for m, holder in dups]
         jobs[rel] = keep
     fsio.remove_stale_temps(dst, recursive=True)  # temp files of a run killed mid-write
-    existing = list_tree(dst)
+    existing = file_sizes(dst)
     total = sum(m.size for ms in jobs.values() for m in ms) + sum(plain.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="expand", disable=not progress, file=sys.stderr)
     with ThreadPoolExecutor(max_workers=workers) as pool:

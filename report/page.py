@@ -209,7 +209,7 @@ def montage_png(groups: dict, views: dict) -> bytes | None:
 
 def source_histogram(row: dict) -> tuple[np.ndarray, np.ndarray]:
     """Histogram of the decoded source (strided subsample of about HIST_VOXELS voxels)."""
-    vol = dicom.read_volume(fsio.read_bytes(row["source"]), accept_any_sop=True)  # the cache accepted it already
+    vol = dicom.decode_volume(fsio.read_bytes(row["source"]), accept_any_sop=True)  # the cache accepted it already
     px = vol.pixels
     sub = subsample(px, HIST_VOXELS).ravel()
     top = 256 if px.dtype == np.uint8 else int(sub.max()) + 1

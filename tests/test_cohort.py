@@ -138,3 +138,19 @@ def test_retinal_thickness_reads_the_bright_band():
     assert abs(retinal_thickness(retina(10, 20)) - 19) <= 2
     assert abs(retinal_thickness(retina(10, 30)) - 29) <= 2
     assert retinal_thickness(retina(10, 20, gain=1.2)) == retinal_thickness(retina(10, 20))
+
+
+def test_the_lesion_counter_reads_the_centre_of_any_shape():
+    """The counter crops the central three quarters of rows and columns of whatever shape it is
+    given (it cut 16:112, the centre of 128 only, before: a lesion at row and column 200 of a
+    256-wide volume went uncounted)."""
+    import numpy as np
+
+    from evals.cohort_screen import lesion_counts
+
+    def with_blob(at):
+        vol = np.full((32, 256, 256), 150.0)
+        vol[14:19, at - 3:at + 4, at - 3:at + 4] += 80
+        return vol
+    assert lesion_counts(with_blob(200))[0] > 0 and lesion_counts(with_blob(100))[0] > 0
+    assert lesion_counts(np.full((32, 256, 256), 150.0))[0] == 0

@@ -30,7 +30,7 @@ def probed_checkpoint(run) -> str:
 
 
 def expected_embeddings(ckpt: str, cache, rows) -> np.ndarray:
-    enc, cfg, _ = features.load_encoder(ckpt)
+    enc, cfg, _ = features.checkpoint_encoder(ckpt)
     model = encoder.wrap(enc, cfg.data.stride, cfg.data.input_shape)
     x = torch.from_numpy(np.stack([store.read_volume(str(cache), r["volume"]) for r in rows]))
     return model(x).pooled.numpy()
@@ -104,7 +104,7 @@ def test_chunks_another_checkpoint_left_are_not_taken(tiny_run, tiny_cache, tmp_
     assert run_cli("evals.embed", "--ckpt", a_ckpt, "--out", str(a_table), "--no-progress").returncode == 0
     out = tmp_path / "emb.parquet"
     parts = tmp_path / "emb.parquet.parts"
-    _, cfg, ident = features.load_encoder(b_ckpt)
+    _, cfg, ident = features.checkpoint_encoder(b_ckpt)
     b_key = embed.embed_key(ident, cfg, cfg.data.cache)
     for where in (parts, parts / b_key):  # where a killed A left chunks: the old layout, and mislabelled under B's key
         where.mkdir(parents=True, exist_ok=True)

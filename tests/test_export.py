@@ -53,7 +53,7 @@ def test_export_loads_in_a_fresh_process_and_embeds_like_the_checkpoint(tiny_run
     assert "step 4 of 4" in card and "| study_group | pretrained | linear |" in card  # tiny_run was probed
 
     # the probes' features of the same volumes, from the checkpoint
-    enc, cfg, _ = features.load_encoder(str(ckpt))
+    enc, cfg, _ = features.checkpoint_encoder(str(ckpt))
     rows = [r for r in data.select_rows(str(tiny_cache), ["train", "val", "test"], None)][:3]
     ref = features.extract(enc, cfg, rows, str(tiny_cache), (1, 1, 1))
     from cache import store

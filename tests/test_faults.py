@@ -177,12 +177,12 @@ def test_a_worker_killed_mid_volume_is_retried_and_nothing_is_lost(tmp_path):
 CRASH_HOOK = '''
 import os
 import ingest.dicom as dicom
-_read_volume = dicom.read_volume
-def read_volume(data, *args, **kwargs):
+_decode_volume = dicom.decode_volume
+def decode_volume(data, *args, **kwargs):
     if b"OCTFM-CRASH" in data:
         os._exit(139)  # what a segfaulting decoder looks like to the pool
-    return _read_volume(data, *args, **kwargs)
-dicom.read_volume = read_volume
+    return _decode_volume(data, *args, **kwargs)
+dicom.decode_volume = decode_volume
 '''
 
 

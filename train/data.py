@@ -29,15 +29,17 @@ def normalize(x_u8: torch.Tensor, aug: torch.Tensor, mean: float = PIXEL_MEAN, s
     return (x - mean) / std
 
 
-def select_rows(cache: str, splits, devices) -> list[dict]:
-    """Manifest rows usable for training: status ok, in the splits and devices asked for."""
+def select_rows(cache: str, splits, devices, labelled: bool = False) -> list[dict]:
+    """Manifest rows usable for training: status ok, in the splits and devices asked for (and
+    with a label, for whatever trains or scores on labels). The one reader of the manifest for
+    training and evaluation, sorted by path."""
     try:
         table = layout.read_manifest_table(cache)
     except FileNotFoundError:
         raise DataError(f"data.cache: no manifest at {layout.manifest_uri(cache)} "
                          "(run `make cache` / `make stage` first)") from None
     rows = [r for r in table.to_pylist() if r["status"] == "ok" and r["split"] in splits
-            and (devices is None or r["device"] in devices)]
+            and (devices is None or r["device"] in devices) and not (labelled and r["label"] is None)]
     return sorted(rows, key=lambda r: r["relpath"])
 
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
+
+import numpy as np
 
 import torch
 import torch.nn as nn
 
+from cache import store
 from octfm import config as typed
-from train import data, encode
+from train import data
 from train.config import ModelConfig
 from train.model import Encoder
 
@@ -29,6 +32,38 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 ARCH_KEYS = ("tubelet", "stem", "stem_pool", "pool", "dim", "depth", "heads", "mlp_ratio")  # the encoder's part of ModelConfig
+
+
+# A frozen encoder over cached volumes: centre crop, no augmentation (the one pooling of token
+# features into a vector is `Encoder.pool`). Shared by exported encoders, the online probe during
+# pretraining and the probes' offline feature extraction, so all of them see the same features.
+
+def center_crop(vol, shape):
+    """The central `shape` of the last len(shape) axes (numpy arrays and tensors, batched or not)."""
+    lead = vol.ndim - len(shape)
+    starts = [(n - s) // 2 for n, s in zip(vol.shape[lead:], shape)]
+    return vol[(Ellipsis, *(slice(a, a + s) for a, s in zip(starts, shape)))]
+
+
+def volume_batches(cache: str, rows: list[dict], stride, shape, batch: int, pad: bool = False
+                   ) -> Iterator[tuple[torch.Tensor, int]]:
+    """uint8 batches [b, 1, D, H, W] of the rows' volumes (strided, centre-cropped) with the
+    count of real rows in each; `pad` fills the last batch with zeros to `batch` rows, so a
+    compiled graph sees one shape."""
+    for i in range(0, len(rows), batch):
+        vols = [torch.from_numpy(np.ascontiguousarray(
+            center_crop(store.read_volume(cache, r["volume"])[::stride[0], ::stride[1], ::stride[2]], shape)))[None]
+            for r in rows[i:i + batch]]
+        n = len(vols)
+        if pad and n < batch:
+            vols += [torch.zeros_like(vols[0])] * (batch - n)
+        yield torch.stack(vols), n
+
+
+def tokens(enc: Encoder, x_u8: torch.Tensor) -> torch.Tensor:
+    """Token features [b, N, d] (float32) of uint8 volumes, normalised without jitter."""
+    aug = torch.tensor([[1.0, 0.0]], device=x_u8.device).expand(x_u8.shape[0], 2)
+    return enc(data.normalize(x_u8, aug)).float()
 
 
 class Embeddings(NamedTuple):
@@ -56,7 +91,7 @@ class CachedVolumeEncoder(nn.Module):
             raise TypeError(f"expected uint8 cached volumes, got {volumes.dtype}")
         x = volumes if volumes.ndim == 5 else volumes.unsqueeze(1)
         s = self.stride
-        x = encode.center_crop(x[..., ::s[0], ::s[1], ::s[2]], self.input_shape)
+        x = center_crop(x[..., ::s[0], ::s[1], ::s[2]], self.input_shape)
         if tuple(x.shape[-3:]) != self.input_shape:
             raise ValueError(f"volumes {tuple(volumes.shape[-3:])} after stride {list(s)} are smaller than the "
                              f"encoder's input {list(self.input_shape)}")
@@ -70,7 +105,7 @@ class CachedVolumeEncoder(nn.Module):
 
 
 def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
-    """A checkpoint's encoder (evals.features.load_encoder) as `make export` will load it: the
+    """A checkpoint's encoder (evals.features.checkpoint_encoder) as `make export` will load it: the
     same module, so `make embed` from a checkpoint and a loaded model folder agree."""
     return CachedVolumeEncoder(enc, stride, input_shape, data.PIXEL_MEAN, data.PIXEL_STD).eval()
 

@@ -14,7 +14,7 @@ import torch
 
 from manifests.aireadi import TASKS
 from octfm.scores import balanced_accuracy
-from train import data, encode
+from train import data, encoder
 from train.config import TrainConfig
 from train.model import Encoder
 
@@ -29,8 +29,8 @@ def evenly_spaced(rows: list[dict], cap: int) -> list[dict]:
 def probe_rows(cfg: TrainConfig) -> dict[str, list[dict]]:
     """The labelled train and val rows the online probe encodes (capped by online_probe.max_*)."""
     caps = {"train": cfg.online_probe.max_train, "val": cfg.online_probe.max_val}
-    return {split: evenly_spaced([r for r in data.select_rows(cfg.data.cache, [split], cfg.data.devices)
-                                  if r["label"] is not None], cap) for split, cap in caps.items()}
+    return {split: evenly_spaced(data.select_rows(cfg.data.cache, [split], cfg.data.devices, labelled=True), cap)
+            for split, cap in caps.items()}
 
 
 def knn_predict(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, k: int, classes: int) -> np.ndarray:
@@ -103,7 +103,7 @@ class OnlineProbe:
         if split in self._inputs:
             return self._inputs[split]
         c = self.cfg
-        batches = encode.volume_batches(c.data.cache, self.rows[split], c.data.stride, c.data.input_shape,
+        batches = encoder.volume_batches(c.data.cache, self.rows[split], c.data.stride, c.data.input_shape,
                                         c.online_probe.batch_size, pad=True)
         if self.keep:
             batches = self._inputs[split] = list(batches)
@@ -115,7 +115,7 @@ class OnlineProbe:
         out = []
         for x, n in self.inputs(split):
             with self.autocast():
-                h = encode.tokens(enc, x.to(self.device))
+                h = encoder.tokens(enc, x.to(self.device))
             out.append(enc.pool(h).cpu()[:n])
         return torch.cat(out).numpy()
 
