@@ -39,7 +39,7 @@ from train.model import objective
 from train.run_folder import RunFolder
 
 DEV_SEED = 16  # the development cohorts' generator seed; a confirmation run takes one never used (--seed)
-COHORT = synth.SynthConfig(participants=1000, scale=4, seed=DEV_SEED, lesions=6.0, bad_files=False, unlabeled=0)
+COHORT = synth.SynthConfig(participants=1000, scale=4, seed=DEV_SEED, lesions=10.0, bad_files=False, unlabeled=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Cue:
 
 CUES = {
     "lesions": Cue("lesions", COHORT, "splits", 0.10, "macular foci and cysts, more of them with the class"),
-    "layers": Cue("layers", dataclasses.replace(COHORT, lesions=0.0, layers=0.10), "splits", 0.10,
+    "layers": Cue("layers", dataclasses.replace(COHORT, lesions=0.0, layers=0.20), "splits", 0.10,
                   "a thicker inner nuclear layer over a macular patch, growing with the class"),
     "scanners": Cue("lesions", COHORT, "scanners", 0.05,
                     "the lesions cohort, probes trained on three scanners and tested on the fourth"),
