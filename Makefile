@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe leaderboard report export embed clean-demo
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -57,6 +57,7 @@ help:
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
 	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
+	@echo "make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS='task=diabetic label_fraction=0.1'] [NPROC=2]"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
 	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
 	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
@@ -142,6 +143,9 @@ report: $(STAMP)
 
 probe: $(STAMP)
 	$(PY) -m evals.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
+
+finetune: $(STAMP)
+	$(launch) -m evals.finetune --config $(if $(CONFIG),$(CONFIG),configs/finetune.yaml) $(ckpt_flag) $(ARGS)
 
 leaderboard: $(STAMP)
 	$(PY) -m evals.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)

@@ -1,7 +1,12 @@
-"""The probe settings `make probe` and `make leaderboard` share (configs/probe.yaml)."""
+"""Evaluation settings: the probes `make probe` and `make leaderboard` share (configs/probe.yaml)
+and `make finetune`'s (configs/finetune.yaml)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
+
+from octfm.config import FieldError
+from train.config import WandbConfig
 
 
 @dataclasses.dataclass
@@ -25,3 +30,48 @@ class ProbeConfig:
     baselines: bool = True
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
+
+
+@dataclasses.dataclass
+class FinetuneConfig:
+    """`make finetune` (configs/finetune.yaml): one task, the pretrained encoder trained end to end
+    with a probe head, chosen on val, scored on test."""
+    ckpt: str | None = None            # a pretraining checkpoint or a `make export` model folder (CKPT=...)
+    init: Literal["pretrained", "random"] = "pretrained"  # random: the same architecture from scratch, same budget
+    cache: str | None = None           # None: the cache the checkpoint was trained on
+    out: str | None = None             # run folder; None: runs/finetune_<task>_<init>[_<pct>pct]
+    task: str = "diabetic"
+    head: Literal["linear", "attentive"] = "attentive"   # the probes' heads (evals/probe_heads.py)
+    token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
+    label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
+    epochs: int = 30
+    batch_size: int = 8                # per process
+    lr: float = 1.0e-4                 # peak learning rate of the last encoder block
+    layer_decay: float = 0.75          # each block below the last: lr x layer_decay once more
+    head_lr: float = 1.0e-3
+    weight_decay: float = 0.05         # on weights, not on biases and norms
+    warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
+    frozen_epochs: int = 0             # head only (encoder frozen, in eval mode) for these first epochs
+    class_weight: bool = True          # balanced cross-entropy
+    label_smoothing: float = 0.1
+    drop_path: float = 0.1             # stochastic depth, 0 at the first block to this at the last
+    patience: int = 5                  # stop after this many epochs without a better val score; 0: never
+    augment: bool = True               # the pretraining crop (data.scale), flip and intensity jitter
+    scale: tuple[float, float] | None = None   # None: the encoder's own data.scale
+    grad_clip: float = 1.0
+    eval_batch: int = 8
+    workers: int = 2
+    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    precision: Literal["fp32", "bf16"] = "bf16"
+    bootstrap: int = 1000
+    log_every: int = 10
+    seed: int = 0
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+    def __post_init__(self):
+        if not 0 < self.label_fraction <= 1:
+            raise FieldError("label_fraction", f"{self.label_fraction}: needs 0 < label_fraction <= 1")
+        if not 0 < self.layer_decay <= 1:
+            raise FieldError("layer_decay", f"{self.layer_decay}: needs 0 < layer_decay <= 1")
+        if self.frozen_epochs > self.epochs:
+            raise FieldError("frozen_epochs", f"{self.frozen_epochs} is more than epochs={self.epochs}")

@@ -21,7 +21,7 @@ from evals import features
 from ingest import preprocess as prep
 from manifests import layout
 from octfm import cli, config, fsio
-from train import data, encoder
+from train import checkpoint, data, encoder
 from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
@@ -90,6 +90,12 @@ def probe_results(cfg: TrainConfig, step: int) -> tuple[str, dict[str, dict]]:
     return (f"{run.probe}/<task>/metrics.json (the run's last `make probe`)", found) if found else ("", {})
 
 
+def finetune_results(ckpt: str, task: str) -> tuple[str, dict[str, dict]]:
+    """A fine-tuning run's test report (<run>/checkpoints/best.pt -> <run>/<task>/metrics.json)."""
+    path = Path(ckpt).parent.parent / task / "metrics.json"
+    return (str(path), {task: json.loads(path.read_text())}) if path.exists() else ("", {})
+
+
 def model_card(conf: dict, probes: tuple[str, dict]) -> str:
     t, a, c = conf["training"], conf["architecture"], conf["cache"]
     vols = c.get("training_volumes") or {}
@@ -112,6 +118,12 @@ def model_card(conf: dict, probes: tuple[str, dict]) -> str:
         f"- Code: octfm {conf['code']['octfm']}, commit {conf['code']['git']}.", "",
         "## Probe results (frozen encoder, diabetes status)", "",
     ]
+    if "head" in conf:
+        h = conf["head"]
+        lines[2:2] = [f"Fine-tuned end to end for `{h['task']}` ({', '.join(h['classes'])}) with a {h['kind']} head "
+                      f"(`{h['file']}`; best val epoch {h['best_epoch']}, val balanced accuracy "
+                      f"{h['val']['balanced_accuracy']:.3f}); class probabilities: "
+                      "`from train.encoder import load_classifier; load_classifier('<this folder>')(volumes)`.", ""]
     where, results = probes
     if not results:
         return "\n".join(lines + ["No probe results were found for this run (`make probe`, `make leaderboard`).", ""])
@@ -132,8 +144,17 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
     conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
     weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
     fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)
+    st = checkpoint.load(ckpt)
+    if "finetune" in st:  # a `make finetune` best epoch: its task head beside the encoder
+        ft = st["finetune"]
+        conf["head"] = {"file": encoder.HEAD_FILE, "kind": ft["head"], "task": ft["task"], "classes": ft["classes"],
+                        "token_pool": ft["token_pool"], "best_epoch": int(st["step"]), "val": ft["best"],
+                        "fine_tuned_from": ft["from"]}
+        head = save({k: v.contiguous() for k, v in st["head"].items()}, metadata={"format": encoder.FORMAT})
+        fsio.atomic_write_bytes(fsio.join(out, encoder.HEAD_FILE), head)
     fsio.atomic_write_bytes(fsio.join(out, encoder.CONFIG_FILE), json.dumps(conf, indent=2).encode())
-    fsio.atomic_write_bytes(fsio.join(out, "README.md"), model_card(conf, probe_results(cfg, ident["step"])).encode())
+    probes = finetune_results(ckpt, conf["head"]["task"]) if "head" in conf else probe_results(cfg, ident["step"])
+    fsio.atomic_write_bytes(fsio.join(out, "README.md"), model_card(conf, probes).encode())
     return conf
 
 

@@ -1,5 +1,7 @@
 """`make leaderboard RUN=runs/a [RUNS="runs/b ..."]`: probe every saved checkpoint and rank them.
 
+A `make finetune` run folder among them contributes its report (best val epoch, on test) as is.
+
 The self-supervised loss says little about representation quality, so checkpoints are
 chosen by downstream score. Every step_<N>.pt of each run (latest.pt is a copy of the newest
 and is skipped) goes through the same per-checkpoint probe as `make probe`, features
@@ -159,6 +161,25 @@ def table_rows(run: str, records: list[dict]) -> list[dict]:
     return rows
 
 
+def finetune_table_rows(run: str) -> list[dict]:
+    """A `make finetune` run folder's rows: its task report (the best val epoch, scored on test),
+    nothing probed; columns as table_rows writes them (the pretraining ones empty)."""
+    folder = RunFolder(run)
+    rows = []
+    for path in sorted(folder.root.glob("*/metrics.json")):
+        res = json.loads(path.read_text())
+        p = res["probes"][0]
+        best = folder.finetuned()
+        row = {"run": str(run), "run_name": Path(run).name, "step": p["best_epoch"], "task": res["task"], "ckpt": best,
+               "ckpt_exists": Path(best).exists(), "head": f"{p['encoder']} {p['head']}", "lr": p["lr"],
+               "weight_decay": p["weight_decay"], "n_val": p["val"]["n"], "n_test": p["test"]["n"],
+               **_scores("val", p["val"]), **_scores("test", p["test"]), "test_collapsed": p["test"]["collapsed"]}
+        for device, m in res["per_device"].get(p["head"], {}).items():
+            row.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
+        rows.append(row)
+    return rows
+
+
 def select_best(table: pd.DataFrame) -> pd.DataFrame:
     """Per run and task, the checkpoint still on disk with the best val balanced accuracy
     (ties: val AUROC, then the earliest step). Only val columns reach the ranking."""
@@ -180,7 +201,7 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
                             "weight_decay": r["weight_decay"],
                             **{c: _num(r[c]) for c in r.index if c.startswith(("val_", "test_")) and "@" not in c
                                and c != "test_collapsed"},
-                            "pretrain_loss": _num(r["pretrain_loss"]), "pretrain_rankme": _num(r["pretrain_rankme"])}
+                            "pretrain_loss": _num(r.get("pretrain_loss")), "pretrain_rankme": _num(r.get("pretrain_rankme"))}
     out = RunFolder(run).best_checkpoint
     doc = {"selected_on": "val", "rule": "highest val balanced accuracy of the head chosen on val; ties: val AUROC, "
            "then the earliest step; test scores are reported, never used", "settings_key": settings_key(cfg),
@@ -205,7 +226,8 @@ def markdown(table: pd.DataFrame) -> str:
              "One row per run, checkpoint and task: the pretrained encoder's head chosen on val (balanced accuracy, "
              "then AUROC). Intervals: 95% bootstrap over participants. `best`: per run and task, chosen on val only "
              "and reported on test. Loss and RankMe: pretraining metrics logged at that step; online k-NN: the "
-             "online probe's val balanced accuracy at or before that step.", ""]
+             "online probe's val balanced accuracy at or before that step. A fine-tuning run (`make finetune`, head "
+             "`finetuned_...`): its step is the best val epoch.", ""]
     devices = devices_of(table)
     for task, t in table.groupby("task", sort=False):
         lines += [f"## {task}", "", "| run | step | head | val bal. acc | val AUROC | test bal. acc | test AUROC | "
@@ -213,8 +235,8 @@ def markdown(table: pd.DataFrame) -> str:
         for _, r in t.iterrows():
             lines.append(f"| {r['run_name']} | {r['step']} | {r['head']} | {_fmt(r, 'val', 'balanced_accuracy')} | "
                          f"{_fmt(r, 'val', 'auroc')} | {_fmt(r, 'test', 'balanced_accuracy')} | "
-                         f"{_fmt(r, 'test', 'auroc')} | {cli.fmt_number(_num(r['pretrain_loss']))} | "
-                         f"{cli.fmt_number(_num(r['pretrain_rankme']))} | "
+                         f"{_fmt(r, 'test', 'auroc')} | {cli.fmt_number(_num(r.get('pretrain_loss')))} | "
+                         f"{cli.fmt_number(_num(r.get('pretrain_rankme')))} | "
                          f"{cli.fmt_number(_num(r.get('online_knn_bal_acc')))} | {'**best**' if r['best'] else ''}"
                          f"{'' if r['ckpt_exists'] else ' (pruned)'} |")
         if devices:
@@ -270,9 +292,14 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     probe.check_tasks(cfg)
     board = Board(cfg)
     done, todo = {}, []
+    tuned = {r for r in runs if RunFolder(r).finetune.exists()}
     for r in runs:
         if not Path(r).is_dir():
             raise cli.UsageError(f"run: no run folder {r}")
+        if r in tuned:
+            if not finetune_table_rows(r):
+                raise cli.UsageError(f"run: the fine-tuning run {r} has no report yet (let `make finetune` finish)")
+            continue
         done[r], t = board.plan(r)
         if not t and not done[r]:
             raise cli.UsageError(f"run: no step_<N>.pt checkpoint under {probe.run_checkpoint_dir(r)}")
@@ -281,7 +308,8 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     for r, step, uri, ident in bar:
         bar.set_postfix_str(f"{Path(r).name} step {step}")
         done[r][step] = board.probe(r, step, uri, ident)
-    table = pd.DataFrame([row for r in runs for row in table_rows(r, [done[r][s] for s in sorted(done[r])])])
+    table = pd.DataFrame([row for r in runs for row in (finetune_table_rows(r) if r in tuned else
+                                                        table_rows(r, [done[r][s] for s in sorted(done[r])]))])
     best = select_best(table)
     table["best"] = table.index.isin(best.index)
     best_files = [str(write_best(r, best, cfg)) for r in runs]
@@ -315,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for task, t in table.groupby("task", sort=False):
         rows = [(r["run_name"], r["step"], r["head"], _fmt(r, "val", "balanced_accuracy"),
                  _fmt(r, "test", "balanced_accuracy"), cli.fmt_number(_num(r["test_auroc"])),
-                 cli.fmt_number(_num(r["pretrain_loss"])), cli.fmt_number(_num(r["pretrain_rankme"])),
+                 cli.fmt_number(_num(r.get("pretrain_loss"))), cli.fmt_number(_num(r.get("pretrain_rankme"))),
                  "<- best" if r["best"] else "") for _, r in t.iterrows()]
         print(f"\n{task}:")
         print(cli.format_table(["run", "step", "head", "val bal. acc [95% CI]", "test bal. acc [95% CI]",

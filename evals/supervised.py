@@ -42,7 +42,7 @@ class Labelled(Dataset):
 
     def __getitem__(self, key) -> dict:
         item = self.ds[key]
-        return {"x": item["x"], "aug": item["aug"], "y": self.y[key[1]]}
+        return {"x": item["x"], "aug": item["aug"], "y": torch.tensor(self.y[key[1]])}  # a tensor: XLA's loader shards it
 
 
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,

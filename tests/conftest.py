@@ -68,12 +68,16 @@ def start_build(cache: Path, args: list[str], volumes: int, **popen) -> subproce
     return proc
 
 
-def same_weights(a: dict, b: dict) -> bool:
-    """Two checkpoints hold bit-identical context and target encoders (same keys too)."""
+def same_state(a: dict, b: dict) -> bool:
+    """Two state dicts hold bit-identical tensors under the same keys."""
     import torch
 
-    return all(a[p].keys() == b[p].keys() and all(torch.equal(a[p][k], b[p][k]) for k in a[p])
-               for p in ("model", "target"))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    """Two checkpoints hold bit-identical context and target encoders (same keys too)."""
+    return all(same_state(a[p], b[p]) for p in ("model", "target"))
 
 
 def same_optimizer(a: dict, b: dict) -> bool:

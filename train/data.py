@@ -50,8 +50,9 @@ def sample_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.
 class CacheDataset(Dataset):
     """Items are addressed by (epoch, index) so the epoch reaches persistent workers."""
 
-    def __init__(self, rows: list[dict], cfg: DataConfig, mask_cfg: MaskConfig, grid: M.Grid,
-                 sizes: list[M.SetSize], seed: int, augment: bool = True):
+    def __init__(self, rows: list[dict], cfg: DataConfig, mask_cfg: MaskConfig | None, grid: M.Grid | None,
+                 sizes: list[M.SetSize] | None, seed: int, augment: bool = True):
+        """`mask_cfg` None: items carry no mask sets (fine-tuning reads only the crops)."""
         self.rows, self.cfg, self.mask_cfg, self.grid, self.sizes = rows, cfg, mask_cfg, grid, sizes
         self.seed, self.augment = seed, augment
         self._transforms = None
@@ -103,7 +104,7 @@ class CacheDataset(Dataset):
         if x.is_floating_point():  # resized: round back to the cache's grey levels
             x = x.round_().clamp_(0, 255)
         x = x.to(torch.uint8).contiguous()
-        sets = M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
+        sets = [] if self.mask_cfg is None else M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
         item = {"x": x, "aug": aug}

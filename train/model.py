@@ -68,10 +68,25 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.drop_path = 0.0  # stochastic depth while training (fine-tuning sets it: set_drop_path)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), keep)
-        return x + self.mlp(self.norm2(x))
+        x = x + self._drop(self.attn(self.norm1(x), keep))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        """Each sample's residual branch dropped with probability drop_path (kept ones scaled up)."""
+        if not self.training or self.drop_path <= 0:
+            return y
+        keep = 1.0 - self.drop_path
+        return y * torch.empty(y.shape[0], *(1,) * (y.dim() - 1), device=y.device, dtype=y.dtype).bernoulli_(keep) / keep
+
+
+def set_drop_path(encoder: "Encoder", rate: float) -> None:
+    """Stochastic depth rising linearly over the blocks from 0 to `rate` at the last."""
+    n = len(encoder.blocks)
+    for i, blk in enumerate(encoder.blocks):
+        blk.drop_path = rate * i / max(1, n - 1)
 
 
 def _init_weights(m: nn.Module) -> None:

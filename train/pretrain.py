@@ -24,38 +24,51 @@ from train.run_folder import RunFolder
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, objective, target_features
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay applies to weights, not to biases, norms and the mask token (1-D parameters)."""
+    return p.ndim > 1 and not name.endswith("mask_token")
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no weight decay on biases, norms and the mask token (1-D parameters)."""
+    """AdamW groups: with and without weight decay (`decays`)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name.endswith("mask_token") else decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tensor):
-    """AdamW with a device-tensor lr. Its `step` count lives on the device where the update
+def optimizer_flags(kind: str) -> dict:
+    """AdamW flags for a device-tensor lr. Its `step` count lives on the device where the update
     guard must select it without a host sync: fused on CUDA, capturable on XLA (the default
     keeps it as a host tensor that every call advances); on the CPU it is a CPU tensor anyway."""
-    kw = {"fused": True} if rt.kind == "cuda" else {"foreach": False}  # tensor lr needs one of these
-    if rt.kind == "xla":
+    kw = {"fused": True} if kind == "cuda" else {"foreach": False}  # tensor lr needs one of these
+    if kind == "xla":
         kw["capturable"] = True
-    return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas), **kw)
+    return kw
+
+
+def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tensor):
+    """AdamW with a device-tensor lr shared by its groups (optimizer_flags)."""
+    return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas),
+                             **optimizer_flags(rt.kind))
 
 
 OPTIMIZER_FLAGS = ("capturable", "foreach", "fused")  # chosen per backend by build_optimizer
 
 
-def load_optimizer(opt: torch.optim.Optimizer, state: dict, lr: torch.Tensor) -> None:
+def load_optimizer(opt: torch.optim.Optimizer, state: dict, lr: torch.Tensor | list[torch.Tensor]) -> None:
     """Load an optimizer state saved on any backend. load_state_dict takes each group's flags
     from the file (an XLA checkpoint says capturable, which the CPU refuses), so this backend's
     flags are put back, a capturable optimizer gets its step counts on the parameters' device,
-    and every group keeps the shared device lr tensor (load_state_dict replaced it)."""
+    and every group keeps its device lr tensor (load_state_dict replaced it): `lr`, shared, or
+    one per group."""
     flags = {k: opt.defaults[k] for k in OPTIMIZER_FLAGS if k in opt.defaults}
+    lrs = lr if isinstance(lr, list) else [lr] * len(opt.param_groups)
     opt.load_state_dict(state)
-    for g in opt.param_groups:
-        g.update(flags, lr=lr)
+    for g, g_lr in zip(opt.param_groups, lrs):
+        g.update(flags, lr=g_lr)
         if flags.get("capturable") or flags.get("fused"):
             for p in g["params"]:
                 st = opt.state.get(p, {})

@@ -163,3 +163,21 @@ def test_spmd_shards_the_padded_context(tiny_cache, tmp_path):
     ra, rb = records(tmp_path / "cpu" / "p"), records(tmp_path / "four" / "p")
     for s in range(1, 4):
         assert ra[s]["loss"] == pytest.approx(rb[s]["loss"], rel=1e-3)
+
+
+def test_finetune_compiles_once_across_epochs(tiny_cache, tmp_path):
+    """`make finetune` on XLA: the train step and the padded validation batches compile in the
+    first epochs (frozen head-only, then the whole model); later epochs add no compilation."""
+    run_train(tiny_train_args(tiny_cache, tmp_path / "runs", name="p", max_steps=2, ckpt_every=2), device="cpu")
+    ckpt = tmp_path / "runs" / "p" / "checkpoints" / "step_0000002.pt"
+    out = tmp_path / "ft"
+    env = {**os.environ, **xla_env(1, tmp_path / "xla_cache")}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "evals.finetune", "--no-progress", "--ckpt", str(ckpt),
+                        f"out={out}", "device=xla", "epochs=4", "frozen_epochs=1", "workers=0", "batch_size=4",
+                        "bootstrap=20", "patience=0", "eval_batch=4"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    hist = json.loads((out / "diabetic" / "metrics.json").read_text())["history"]
+    counts = [h["xla_compiles"] for h in hist]
+    assert len(counts) == 4 and counts[0] > 0
+    assert counts[2] == counts[3], f"compiles per epoch {counts}\n{compile_causes(r.stderr)}"

@@ -1,0 +1,447 @@
+"""`make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS=...]`.
+
+The EMA target encoder of a pretraining checkpoint (or a `make export` model folder) plus one of
+the probes' heads, trained end to end for one task on the train split (optionally a stratified
+fraction of its participants), chosen on val balanced accuracy epoch by epoch (early stopping),
+scored once on test with the probes' metrics, intervals and plots. `init=random` trains the same
+architecture from scratch on the same budget: the baseline a pretrained start must beat.
+
+Layer-wise learning-rate decay (the last block at `lr`, each one below it x `layer_decay`, the
+patchify lowest), a head learning rate, frozen epochs (the head alone, the encoder untouched),
+class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu, cuda
+(torchrun + DDP, bf16) and xla, as `make pretrain`. A killed run resumes from its last whole
+epoch to the weights an uninterrupted one reaches. The best epoch is kept as a checkpoint that
+`make export`, `make embed` and `make probe` read like a pretraining one (its head included).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from evals import features, probe, probe_heads, subsets, supervised
+from evals import probe_metrics as pm
+from evals.config import FinetuneConfig
+from manifests.aireadi import TASKS
+from octfm import cli, config, fsio, plots
+from train import checkpoint, data, encoder, metrics, runtime
+from train.config import TrainConfig
+from train.model import Encoder, set_drop_path
+from train.pretrain import decays, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
+from train.run_folder import RunFolder
+
+RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
+
+
+class Backbone(NamedTuple):
+    encoder: Encoder
+    train_config: TrainConfig   # architecture, input and cache of the encoder (a model folder's, rebuilt)
+    ident: dict                 # what it was loaded from
+
+
+def is_model_folder(path: str) -> bool:
+    return (Path(path) / encoder.CONFIG_FILE).is_file()
+
+
+def load_backbone(cfg: FinetuneConfig) -> Backbone:
+    """The encoder to fine-tune: a checkpoint's EMA target, or a model folder's weights; with
+    `init: random` the same architecture freshly initialised from `seed`."""
+    if not cfg.ckpt:
+        raise cli.UsageError("ckpt: set CKPT=<checkpoint or model folder> (or ckpt: in the config)")
+    if is_model_folder(cfg.ckpt):
+        enc, tcfg, ident = folder_encoder(cfg.ckpt)
+    else:
+        enc, tcfg, ident = features.checkpoint_encoder(cfg.ckpt)
+    if cfg.init == "random":
+        torch.manual_seed(cfg.seed)
+        enc = Encoder(tcfg.model, tcfg.data.input_shape)
+        ident = {**ident, "init": "random", "seed": cfg.seed}
+    if cfg.cache:
+        tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(tcfg.data, cache=cfg.cache))
+    return Backbone(enc, tcfg, ident)
+
+
+def folder_encoder(folder: str) -> tuple[Encoder, TrainConfig, dict]:
+    """A model folder's encoder and a training config that rebuilds it (architecture, stride,
+    input shape), so the best epoch is saved in the checkpoint format every stage reads."""
+    from safetensors.torch import load_file
+
+    conf = encoder.read_config(folder)
+    module = encoder.build(conf, load_file(str(Path(folder) / encoder.WEIGHTS_FILE)))
+    norm = conf["normalization"]
+    if (norm["mean"], norm["std"]) != (data.PIXEL_MEAN, data.PIXEL_STD):
+        raise cli.UsageError(f"{folder}/{encoder.CONFIG_FILE}: normalization {norm} is not the trainer's "
+                             f"({data.PIXEL_MEAN}, {data.PIXEL_STD}); fine-tuning would feed it other inputs")
+    arch = {k: conf["architecture"][k] for k in encoder.ARCH_KEYS if k in conf["architecture"]}
+    inp = conf["input"]
+    tcfg = config.from_dict(TrainConfig, {
+        "model": arch, "data": {"cache": (conf.get("cache") or {}).get("uri") or "data/cache",
+                                "stride": inp["stride"], "input_shape": inp["input_shape"]}},
+        where=f"{folder}/{encoder.CONFIG_FILE}")
+    return module.encoder, tcfg, {"model_folder": str(folder), **checkpoint.identity(str(Path(folder) / encoder.WEIGHTS_FILE))}
+
+
+class Classifier(nn.Module):
+    """Encoder + one probe head (evals/probe_heads.py) over its pooled vector or pooled token grid."""
+
+    def __init__(self, enc: Encoder, head: str, classes: int, token_pool):
+        super().__init__()
+        self.encoder, self.kind, self.token_pool = enc, head, tuple(token_pool)
+        dim = enc.norm.normalized_shape[0]
+        self.head = (probe_heads.AttentiveHeads if head == "attentive" else probe_heads.LinearHeads)(1, dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)
+        tokens = self.encoder.pool_grid(h, self.token_pool) if self.kind == "attentive" else None
+        return self.head(self.encoder.pool(h), tokens)[:, 0]            # [B, classes]
+
+
+def layer_id(name: str, depth: int) -> int:
+    """0 for the stem and patchify, i + 1 for block i, depth + 1 for the final norm (encoder names)."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1 if name.startswith("norm.") else 0
+
+
+def layer_groups(model: Classifier, cfg: FinetuneConfig) -> list[dict]:
+    """AdamW groups, each with its peak lr: encoder layer l at lr x layer_decay^(depth + 1 - l)
+    (the final norm at lr), the head at head_lr; weight decay on weights only."""
+    depth = len(model.encoder.blocks)
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if name.startswith("encoder."):
+            sub = name[len("encoder."):]
+            lr = cfg.lr * cfg.layer_decay ** (depth + 1 - layer_id(sub, depth))
+            key = (f"layer_{layer_id(sub, depth)}", decays(sub, p))
+        else:
+            lr, key = cfg.head_lr, ("head", decays(name, p))
+        g = groups.setdefault(key, {"params": [], "names": [], "peak_lr": lr,
+                                    "weight_decay": cfg.weight_decay if key[1] else 0.0})
+        g["params"].append(p)
+        g["names"].append(name)
+    return list(groups.values())
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine from 1 to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * t))
+
+
+def run_dir(cfg: FinetuneConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out)
+    pct = "" if cfg.label_fraction == 1 else f"_{round(100 * cfg.label_fraction)}pct"
+    return Path("runs") / f"finetune_{cfg.task}_{cfg.init}{pct}"
+
+
+def training_rows(cfg: FinetuneConfig, cache: str) -> tuple[list[dict], np.ndarray]:
+    """The labelled rows (leak-checked: fine-tuning tests on participants it never trained on)
+    and the train mask: the train split, or its stratified label fraction of participants."""
+    rows = probe.labelled_rows(cache, cfg.seed, shuffle=False)
+    if not rows:
+        raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
+    people = subsets.nested_fractions(rows, [cfg.label_fraction], cfg.seed)[cfg.label_fraction]
+    return rows, subsets.train_mask(rows, people)
+
+
+class Finetuner:
+    """The state a checkpoint captures (model, optimizer, epoch, the best val score so far); `run` is the loop."""
+
+    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime):
+        if cfg.task not in TASKS:
+            raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
+        self.cfg, self.rt = cfg, rt
+        self.spec = TASKS[cfg.task]
+        bb = load_backbone(cfg)
+        scale = tuple(cfg.scale) if cfg.scale is not None else tuple(bb.train_config.data.scale)
+        self.tcfg = dataclasses.replace(bb.train_config, data=dataclasses.replace(
+            bb.train_config.data, scale=scale, workers=cfg.workers))
+        self.ident = bb.ident
+        self.rows, self.train = training_rows(cfg, self.tcfg.data.cache)
+        self.y = np.array([self.spec["map"](r["label"]) for r in self.rows])
+        self.split = np.array([r["split"] for r in self.rows])
+        torch.manual_seed(cfg.seed + 1)  # the attentive head's queries: the same for every init and every run
+        self.model = Classifier(bb.encoder, cfg.head, self.spec["classes"], cfg.token_pool).to(rt.device)
+        set_drop_path(self.model.encoder, cfg.drop_path)
+        self.groups = layer_groups(self.model, cfg)
+        self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
+        self.opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"], "lr": lr}
+                                      for g, lr in zip(self.groups, self.lrs)], lr=self.lrs[0], **optimizer_flags(rt.kind))
+        self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]) if cfg.class_weight
+                       else None)
+        self.folder = RunFolder(run_dir(cfg))
+        self.ckpt_dir = self.folder.checkpoints()
+        self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
+        self.history: list[dict] = []
+        self.resumed = self._maybe_resume()
+
+    # ------------------------------------------------------------ state
+    def settings(self) -> dict:
+        """What the weights depend on: a resume under other settings is refused."""
+        return {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
+
+    def state(self, best: bool = False) -> dict:
+        st = {"config": config.to_dict(self.tcfg), "target": to_cpu(self.model.encoder.state_dict()),
+              "head": to_cpu(self.model.head.state_dict()), "step": self.epoch,
+              "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.cfg.head,
+                           "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
+                           "from": self.ident, "epoch": self.epoch, "best": self.best}}
+        if not best:
+            st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, stale=self.stale,
+                      history=self.history)
+        return st
+
+    def _maybe_resume(self) -> str | None:
+        found = checkpoint.load_newest_good(self.ckpt_dir)
+        if found is None:
+            return None
+        uri, st = found
+        saved = st["finetune"]["settings"]
+        changed = sorted(k for k in set(saved) | set(self.settings()) if saved.get(k) != self.settings().get(k))
+        if changed:
+            raise cli.UsageError(f"{uri}: this fine-tuning run was made with other settings ({', '.join(changed)}); "
+                                 f"set out= to start a new run, or put them back to resume")
+        self.model.encoder.load_state_dict(st["target"])
+        self.model.head.load_state_dict(st["head"])
+        load_optimizer(self.opt, st["optimizer"], self.lrs)
+        self.epoch, self.step, self.stale = int(st["step"]), int(st["train_step"]), int(st["stale"])
+        self.best, self.history = st["finetune"]["best"], list(st["history"])
+        return uri
+
+    def save(self) -> None:
+        if self.rt.is_master:
+            checkpoint.save(self.state(), self.ckpt_dir, self.epoch, keep_last=1)
+        self.rt.barrier()
+
+    def save_best(self) -> None:
+        if self.rt.is_master:
+            buf = io.BytesIO()
+            torch.save(self.state(best=True), buf)
+            fsio.atomic_write_bytes(self.folder.finetuned(), buf.getvalue())
+        self.rt.barrier()
+
+    # ------------------------------------------------------------ data and steps
+    def loader(self, start_epoch: int):
+        cfg, rows = self.cfg, [r for r, t in zip(self.rows, self.train) if t]
+        y = [int(v) for v in self.y[self.train]]
+        ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, cfg.seed, augment=cfg.augment)
+        per_epoch = data.EpochSampler(len(rows), cfg.batch_size, world=self.rt.world).batches_per_epoch
+        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, cfg.seed, True,
+                                    start_epoch * per_epoch, cfg.epochs * per_epoch)
+        kw = {"num_workers": cfg.workers, "persistent_workers": True} if cfg.workers > 0 else {}
+        dl = DataLoader(supervised.Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=self.rt.kind == "cuda", **kw)
+        return sampler.batches_per_epoch, dl
+
+    def frozen(self, epoch: int) -> bool:
+        return epoch < self.cfg.frozen_epochs
+
+    def set_phase(self, epoch: int):
+        """The encoder frozen (no gradients, eval mode: AdamW leaves it bit for bit) or trained;
+        returns the module to call (DDP wraps the trainable parameters of this phase)."""
+        frozen = self.frozen(epoch)
+        self.model.train()
+        self.model.encoder.requires_grad_(not frozen)
+        if frozen:
+            self.model.encoder.eval()
+        return self.rt.wrap(self.model)
+
+    def update(self, net, b: dict) -> torch.Tensor:
+        x = data.normalize(b["x"], b["aug"])
+        with self.rt.autocast():
+            logits = net(x)
+        loss = F.cross_entropy(logits.float(), b["y"], weight=None if self.weight is None else self.weight.to(x.device),
+                               label_smoothing=self.cfg.label_smoothing)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip)
+        self.opt.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, mask: np.ndarray) -> np.ndarray:
+        """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see them)."""
+        was = self.model.training
+        self.model.eval()
+        rows = [r for r, m in zip(self.rows, mask) if m]
+        d = self.tcfg.data
+        out = []
+        for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
+                                           pad=self.rt.kind == "xla"):
+            x = x.to(self.rt.device)
+            with self.rt.autocast():
+                logits = self.model(data.normalize(x, torch.tensor([[1.0, 0.0]], device=x.device).expand(len(x), 2)))
+            out.append(torch.softmax(logits.float(), -1)[:n].cpu())
+        self.model.train(was)
+        return torch.cat(out).numpy() if out else np.zeros((0, self.spec["classes"]))
+
+    def validate(self) -> dict:
+        va = self.split == "val"
+        prob = self.predict(va)
+        k = self.spec["classes"]
+        return {"epoch": self.epoch, "step": self.step, "balanced_accuracy": pm.balanced_accuracy(self.y[va], prob.argmax(1), k),
+                "auroc": pm.macro_auroc(self.y[va], prob)}
+
+    # ------------------------------------------------------------ the loop
+    def run(self, progress: bool = True) -> dict:
+        cfg, rt = self.cfg, self.rt
+        if rt.is_master:
+            self.folder.root.mkdir(parents=True, exist_ok=True)
+            fsio.atomic_write_bytes(str(self.folder.finetune), json.dumps(config.to_dict(cfg), indent=1).encode())
+        log = metrics.MetricsLog(self.folder.root, rt.is_master, cfg.wandb, config.to_dict(cfg))
+        try:
+            if self.epoch < cfg.epochs and not self.stopped():
+                self._loop(log, progress)
+        finally:
+            log.close()
+        return self.finish()
+
+    def stopped(self) -> bool:
+        return bool(self.cfg.patience) and self.stale >= self.cfg.patience
+
+    def _loop(self, log: metrics.MetricsLog, progress: bool) -> None:
+        cfg, rt = self.cfg, self.rt
+        per_epoch, dl = self.loader(self.epoch)
+        total, warmup = cfg.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
+        it = iter(rt.loader(dl))
+        bar = tqdm(total=total, initial=self.step, desc=f"finetune {cfg.task} ({cfg.init})", unit="step",
+                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
+        try:
+            while self.epoch < cfg.epochs and not self.stopped():
+                net = self.set_phase(self.epoch)
+                torch.manual_seed(cfg.seed * 1000003 + self.epoch)  # stochastic depth: the same on a resume
+                losses = []
+                for _ in range(per_epoch):
+                    f = lr_factor(self.step, total, warmup)
+                    for g, lr in zip(self.groups, self.lrs):
+                        set_scalar(lr, g["peak_lr"] * f)
+                    losses.append(self.update(net, rt.to_device(next(it))))
+                    rt.sync()
+                    self.step += 1
+                    bar.update(1)
+                    if self.step % cfg.log_every == 0:
+                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]),
+                                 "lr": float(self.lrs[-1])})
+                self.epoch += 1
+                v = self.validate()
+                v["loss"] = float(torch.stack(losses).mean())
+                if rt.kind == "xla":
+                    v.update(xla_compiles())  # per epoch: a graph that changes with the epoch would show here
+                self.history.append(v)
+                log.log(v, prefix="val")
+                if self.best is None or probe.val_rank(v["balanced_accuracy"], v["auroc"]) > \
+                        probe.val_rank(self.best["balanced_accuracy"], self.best["auroc"]):
+                    self.best, self.stale = v, 0
+                    self.save_best()
+                else:
+                    self.stale += 1
+                bar.set_postfix(loss=f"{v['loss']:.3f}", val_bal_acc=f"{v['balanced_accuracy']:.3f}",
+                                best_epoch=self.best["epoch"], refresh=False)
+                self.save()
+        finally:
+            bar.close()
+
+    # ------------------------------------------------------------ results
+    def finish(self) -> dict:
+        """The best epoch's weights scored on val and test, reported as `make probe` reports."""
+        best = checkpoint.load(self.folder.finetuned())
+        self.model.encoder.load_state_dict(best["target"])
+        self.model.head.load_state_dict(best["head"])
+        k, names = self.spec["classes"], self.spec["names"]
+        groups = np.array([r["participant_id"] for r in self.rows])
+        devices = np.array([r["device"] for r in self.rows])
+        evaluated = (self.split == "val") | (self.split == "test")
+        prob = np.zeros((len(self.rows), k))
+        prob[evaluated] = self.predict(evaluated)
+        test = self.split == "test"
+        name = f"finetuned_{self.cfg.init}"
+        res = {"encoder": name, "head": self.cfg.head, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
+               "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
+               "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["step"],
+               "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
+               "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
+        result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,
+                  "counts": {s: np.bincount(self.y[(self.split == s) & (self.train | (s != "train"))],
+                                            minlength=k).tolist() for s in ("train", "val", "test")},
+                  "per_device": {self.cfg.head: {d: probe.evaluate(prob, self.y, groups, test & (devices == d), k, self.cfg)
+                                                 for d in sorted(set(devices[test]))}},
+                  "plotted_head": self.cfg.head, "from": self.ident, "epochs_run": self.epoch,
+                  "history": self.history, "label_fraction": self.cfg.label_fraction,
+                  "train_participants": int(len(set(groups[self.train]))), "best_checkpoint": self.folder.finetuned()}
+        if self.rt.is_master:
+            out = self.folder.root / self.cfg.task
+            probe.write_report(result, out, self.y[test], prob[test])
+            plot_history(self.history, out / "curves.png", f"{self.cfg.task}: fine-tuning ({self.cfg.init})")
+        return result
+
+
+def plot_history(history: list[dict], path: Path, title: str) -> None:
+    """Train loss and val balanced accuracy per epoch."""
+    if not history:
+        return
+    plt = plots.pyplot()
+    ep = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(ep, [h["loss"] for h in history], "o-")
+    a.set_title("train loss (epoch mean)")
+    b.plot(ep, [h["balanced_accuracy"] for h in history], "o-")
+    b.set_title("val balanced accuracy")
+    for ax in (a, b):
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    plots.save_png(fig, path, dpi=80)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make finetune", description=__doc__)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    cfg = config.load(FinetuneConfig, a.config, a.overrides)
+    if a.ckpt:
+        cfg.ckpt = a.ckpt
+    rt = runtime.setup(cfg.device, cfg.precision)
+    t0 = time.perf_counter()
+    ft = Finetuner(cfg, rt)
+    if rt.is_master:
+        where = f"resumed from {ft.resumed} at epoch {ft.epoch}" if ft.resumed else "from the start"
+        print(f"finetune: {cfg.task} from {cfg.ckpt} ({cfg.init} init), head {cfg.head}, {int(ft.train.sum())} train "
+              f"volumes ({100 * cfg.label_fraction:g}% of the train participants), on {rt.kind} x{rt.world}, {where}")
+    res = ft.run(progress=not a.no_progress)
+    rt.shutdown()
+    if rt.is_master:
+        t = res["probes"][0]["test"]
+        rows = [(d, m["n"], cli.fmt_number(m["balanced_accuracy"], m.get("balanced_accuracy_ci95")),
+                 cli.fmt_number(m["auroc_macro_ovr"])) for d, m in res["per_device"][cfg.head].items()]
+        rows.append(("all", t["n"], cli.fmt_number(t["balanced_accuracy"], t["balanced_accuracy_ci95"]),
+                     cli.fmt_number(t["auroc_macro_ovr"], t["auroc_macro_ovr_ci95"])))
+        print(f"\n{cfg.task} (test, best val epoch {res['probes'][0]['best_epoch']} of {res['epochs_run']}):")
+        print(cli.format_table(["device", "n", "balanced acc [95% CI]", "AUROC"], rows))
+        print(f"\nfinetune: report in {ft.folder.root / cfg.task}/ (metrics.json, report.md, confusion.png, roc.png, "
+              f"curves.png); best model {res['best_checkpoint']} (make export CKPT=... OUT=...); "
+              f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

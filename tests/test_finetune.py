@@ -1,0 +1,161 @@
+"""`make finetune`: end to end on a small planted-signal cache, frozen epochs, layer-wise decay,
+a killed run resumed, a model folder and a checkpoint alike."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args
+from evals import finetune
+from evals.config import FinetuneConfig
+from octfm import config
+from cache import store
+from train import checkpoint, encoder, runtime
+
+QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(signal_cache, tmp_path_factory):
+    """A checkpoint of a 2-step pretraining run on the planted-signal cache."""
+    root = tmp_path_factory.mktemp("finetune")
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
+                *tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
+    assert r.returncode == 0, r.stderr
+    return root / "runs" / "p" / "checkpoints" / "step_0000002.pt"
+
+
+def _cfg(ckpt, out, **kw) -> FinetuneConfig:
+    items = [f"ckpt={ckpt}", f"out={out}", *QUICK, *(f"{k}={v}" for k, v in kw.items())]
+    return config.load(FinetuneConfig, "configs/finetune.yaml", items)
+
+
+def _finetuner(cfg: FinetuneConfig) -> finetune.Finetuner:
+    return finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
+
+
+def test_a_tiny_finetune_runs_end_to_end(pretrained, tmp_path):
+    out = tmp_path / "ft"
+    r = run_cli("evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}", "epochs=2", *QUICK)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "diabetic (test, best val epoch" in r.stdout and "all" in r.stdout
+    m = json.loads((out / "diabetic" / "metrics.json").read_text())
+    ft = m["probes"][0]
+    assert ft["encoder"] == "finetuned_pretrained" and ft["head"] == "attentive"
+    assert 0 <= ft["test"]["balanced_accuracy"] <= 1 and len(ft["test"]["balanced_accuracy_ci95"]) == 2
+    assert [h["epoch"] for h in m["history"]] == [1, 2]
+    assert set(m["per_device"]["attentive"])  # every test device reported
+    for f in ("report.md", "confusion.png", "roc.png", "curves.png"):
+        assert (out / "diabetic" / f).stat().st_size > 0, f
+    vals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [v["epoch"] for v in vals if v["split"] == "val"] == [1, 2]
+    # the best epoch reads as a checkpoint of its encoder (make export / embed / probe) and carries its head
+    best = checkpoint.load(str(out / "checkpoints" / "best.pt"))
+    assert best["step"] == ft["best_epoch"] and best["finetune"]["task"] == "diabetic" and "head" in best
+    # a row in the leaderboard, from the report (nothing probed)
+    lb = run_cli("evals.leaderboard", "--run", str(out))
+    assert lb.returncode == 0, lb.stderr[-2000:]
+    assert "finetuned_pretrained attentive" in (out / "leaderboard.md").read_text()
+    # run again: nothing left to train, the same report from the best epoch
+    again = run_cli("evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}", "epochs=2", *QUICK)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed" in again.stdout
+    assert json.loads((out / "diabetic" / "metrics.json").read_text())["probes"][0]["test"] == ft["test"]
+
+
+def test_frozen_epochs_leave_the_encoder_bit_identical(pretrained, tmp_path):
+    ft = _finetuner(_cfg(pretrained, tmp_path / "frozen", epochs=1, frozen_epochs=1))
+    enc0 = {k: v.clone() for k, v in ft.model.encoder.state_dict().items()}
+    head0 = {k: v.clone() for k, v in ft.model.head.state_dict().items()}
+    ft.run(progress=False)
+    assert same_state(enc0, ft.model.encoder.state_dict())
+    assert not same_state(head0, ft.model.head.state_dict())
+    # and unfrozen, the encoder moves
+    ft2 = _finetuner(_cfg(pretrained, tmp_path / "thawed", epochs=1, frozen_epochs=0))
+    ft2.run(progress=False)
+    assert not same_state(enc0, ft2.model.encoder.state_dict())
+
+
+def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
+    cfg = _cfg(pretrained, tmp_path / "lrs", lr=1e-3, layer_decay=0.5, head_lr=7e-3, drop_path=0.2)
+    ft = _finetuner(cfg)
+    depth = len(ft.model.encoder.blocks)
+    assert depth == 2
+    expect = {"encoder.patch.weight": 1e-3 * 0.5 ** 3, "encoder.blocks.0.attn.qkv.weight": 1e-3 * 0.5 ** 2,
+              "encoder.blocks.0.norm1.bias": 1e-3 * 0.5 ** 2, "encoder.blocks.1.mlp.0.weight": 1e-3 * 0.5,
+              "encoder.norm.weight": 1e-3, "head.w": 7e-3}
+    peak = {n: g["peak_lr"] for g in ft.groups for n in g["names"]}
+    assert set(peak) == {n for n, _ in ft.model.named_parameters()}  # every parameter in exactly one group
+    for name, lr in expect.items():
+        assert peak[name] == pytest.approx(lr), name
+    decay = {n: g["weight_decay"] for g in ft.groups for n in g["names"]}
+    assert decay["encoder.blocks.0.attn.qkv.weight"] == 0.05 and decay["encoder.blocks.0.norm1.bias"] == 0.0
+    # the optimizer's groups take them: after warmup's first step each group's lr is its peak x the factor
+    f = finetune.lr_factor(0, 100, 10)
+    assert f == pytest.approx(0.1)
+    assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
+
+
+def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
+    args = ["--no-progress", "--ckpt", str(pretrained), "epochs=3", *QUICK]
+    whole = run_cli("evals.finetune", *args, f"out={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = tmp_path / "cut"
+    killed = subprocess.run([sys.executable, "tests/fault_inject.py", "--kill-at-fsync", "step_0000002.pt",
+                             "-m", "evals.finetune", *args, f"out={cut}"], cwd=REPO, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert checkpoint.list_steps(str(cut / "checkpoints")) == [1]
+    resumed = run_cli("evals.finetune", *args, f"out={cut}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
+    a = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "step_0000003.pt"))
+    b = checkpoint.load(str(cut / "checkpoints" / "step_0000003.pt"))
+    assert same_state(a["target"], b["target"]) and same_state(a["head"], b["head"])
+    assert same_optimizer(a, b)
+    # another setting under the same folder is refused, naming it
+    other = run_cli("evals.finetune", *args, f"out={cut}", "lr=3e-4")
+    assert other.returncode == 2 and "lr" in other.stderr and "out=" in other.stderr
+
+
+def test_a_model_folder_and_a_checkpoint_finetune_alike(pretrained, tmp_path):
+    folder = tmp_path / "model"
+    r = run_cli("evals.export", "--ckpt", str(pretrained), "--out", str(folder))
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = {}
+    for name, src in (("ckpt", pretrained), ("folder", folder)):
+        ft = _finetuner(_cfg(src, tmp_path / name, epochs=1))
+        ft.run(progress=False)
+        runs[name] = ft
+    assert same_state(runs["ckpt"].model.state_dict(), runs["folder"].model.state_dict())
+    assert runs["folder"].tcfg.data.input_shape == runs["ckpt"].tcfg.data.input_shape
+
+
+def test_random_init_is_the_same_architecture_from_scratch(pretrained, tmp_path):
+    pre = _finetuner(_cfg(pretrained, tmp_path / "a"))
+    rnd = _finetuner(_cfg(pretrained, tmp_path / "b", init="random"))
+    assert [k for k in pre.model.state_dict()] == [k for k in rnd.model.state_dict()]
+    assert not same_state(pre.model.encoder.state_dict(), rnd.model.encoder.state_dict())
+    assert not torch.equal(pre.model.encoder.patch.weight, rnd.model.encoder.patch.weight)
+
+
+def test_the_best_epoch_exports_with_its_head(pretrained, tmp_path):
+    ft = _finetuner(_cfg(pretrained, tmp_path / "ft", epochs=1))
+    ft.run(progress=False)  # leaves the best epoch's weights in the model
+    folder = tmp_path / "model"
+    r = run_cli("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
+    assert r.returncode == 0, r.stderr[-2000:]
+    conf = json.loads((folder / "config.json").read_text())
+    assert conf["head"]["task"] == "diabetic" and conf["head"]["kind"] == "attentive"
+    assert "Fine-tuned end to end for `diabetic`" in (folder / "README.md").read_text()
+    clf = encoder.load_classifier(folder)
+    test = ft.split == "test"
+    rows = [r for r, m in zip(ft.rows, test) if m][:6]
+    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in rows])
+    expect = ft.predict(np.array([any(r is q for q in rows) for r in ft.rows]))
+    assert np.allclose(clf(vols).numpy(), expect, atol=1e-5)
+    assert clf.classes == ["not_diabetic", "diabetic"]
