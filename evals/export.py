@@ -123,7 +123,7 @@ def model_card(conf: dict, probes: tuple[str, dict]) -> str:
         lines[2:2] = [f"Fine-tuned end to end for `{h['task']}` ({', '.join(h['classes'])}) with a {h['kind']} head "
                       f"(`{h['file']}`; best val epoch {h['best_epoch']}, val balanced accuracy "
                       f"{h['val']['balanced_accuracy']:.3f}); class probabilities: "
-                      "`from train.encoder import load_classifier; load_classifier('<this folder>')(volumes)`.", ""]
+                      "`from evals.probe_heads import load_classifier; load_classifier('<this folder>')(volumes)`.", ""]
     where, results = probes
     if not results:
         return "\n".join(lines + ["No probe results were found for this run (`make probe`, `make leaderboard`).", ""])

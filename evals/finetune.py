@@ -252,15 +252,14 @@ class Finetuner:
     def frozen(self, epoch: int) -> bool:
         return epoch < self.cfg.frozen_epochs
 
-    def set_phase(self, epoch: int):
-        """The encoder frozen (no gradients, eval mode: AdamW leaves it bit for bit) or trained;
-        returns the module to call (DDP wraps the trainable parameters of this phase)."""
+    def set_phase(self, epoch: int) -> None:
+        """Training modes for the epoch: the encoder frozen (no gradients, eval mode: AdamW leaves
+        it bit for bit) or trained with the head."""
         frozen = self.frozen(epoch)
         self.model.train()
         self.model.encoder.requires_grad_(not frozen)
         if frozen:
             self.model.encoder.eval()
-        return self.rt.wrap(self.model)
 
     def update(self, net, b: dict) -> torch.Tensor:
         x = data.normalize(b["x"], b["aug"])
@@ -323,8 +322,12 @@ class Finetuner:
         bar = tqdm(total=total, initial=self.step, desc=f"finetune {cfg.task} ({cfg.init})", unit="step",
                    disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
         try:
+            net, phase = None, None
             while self.epoch < cfg.epochs and not self.stopped():
-                net = self.set_phase(self.epoch)
+                self.set_phase(self.epoch)
+                if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
+                    net = None
+                    net, phase = self.rt.wrap(self.model), self.frozen(self.epoch)
                 torch.manual_seed(cfg.seed * 1000003 + self.epoch)  # stochastic depth: the same on a resume
                 losses = []
                 for _ in range(per_epoch):

@@ -1,14 +1,18 @@
 """Many probe heads trained at once on frozen features: a grid of learning rate x weight
 decay for a linear probe (the pooled tokens, `model.pool`) and an attentive probe (a learned query
-attends over the tokens). Heads share nothing, so one summed loss trains them all."""
+attends over the tokens). Heads share nothing, so one summed loss trains them all. The same heads
+sit on a fine-tuned encoder (`make finetune`); `load_classifier` reads one from its model folder."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from train import encoder
 
 
 class LinearHeads(nn.Module):
@@ -113,3 +117,33 @@ class _HeadAdamW:
             v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
             mhat, vhat = m / (1 - b1 ** self.t), v / (1 - b2 ** self.t)
             p.sub_(lr * mhat / (vhat.sqrt() + self.eps))
+
+
+class CachedVolumeClassifier(nn.Module):
+    """A fine-tuned model folder: the encoder and its task head, cached uint8 volumes in, class
+    probabilities [B, classes] out (names in `classes`)."""
+
+    def __init__(self, enc: encoder.CachedVolumeEncoder, head: nn.Module, kind: str, token_pool, classes: list[str]):
+        super().__init__()
+        self.encoder, self.head, self.kind = enc, head, kind
+        self.token_pool, self.classes = tuple(token_pool), list(classes)
+
+    @torch.no_grad()
+    def forward(self, volumes: torch.Tensor) -> torch.Tensor:
+        out = self.encoder(volumes)
+        tokens = self.encoder.encoder.pool_grid(out.tokens, self.token_pool) if self.kind == "attentive" else None
+        return torch.softmax(self.head(out.pooled, tokens)[:, 0].float(), -1)
+
+
+def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> CachedVolumeClassifier:
+    """The encoder and task head of a fine-tuned model folder, in eval mode on `device`."""
+    from safetensors.torch import load_file
+
+    cfg = encoder.read_config(folder)
+    if "head" not in cfg:
+        raise ValueError(f"{Path(folder) / encoder.CONFIG_FILE}: no task head (a pretrained encoder; `make finetune` "
+                         "then `make export` writes one)")
+    h = cfg["head"]
+    head = (AttentiveHeads if h["kind"] == "attentive" else LinearHeads)(1, cfg["architecture"]["dim"], len(h["classes"]))
+    head.load_state_dict(load_file(str(Path(folder) / h["file"])))
+    return CachedVolumeClassifier(encoder.load_encoder(folder), head, h["kind"], h["token_pool"], h["classes"]).to(device).eval()

@@ -15,7 +15,8 @@ from evals import finetune
 from evals.config import FinetuneConfig
 from octfm import config
 from cache import store
-from train import checkpoint, encoder, runtime
+from evals.probe_heads import load_classifier
+from train import checkpoint, runtime
 
 QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0"]
 
@@ -102,7 +103,7 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
 
 
 def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
-    args = ["--no-progress", "--ckpt", str(pretrained), "epochs=3", *QUICK]
+    args = ["--no-progress", "--ckpt", str(pretrained), "epochs=2", *QUICK]
     whole = run_cli("evals.finetune", *args, f"out={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-2000:]
     cut = tmp_path / "cut"
@@ -113,8 +114,8 @@ def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
     resumed = run_cli("evals.finetune", *args, f"out={cut}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
-    a = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "step_0000003.pt"))
-    b = checkpoint.load(str(cut / "checkpoints" / "step_0000003.pt"))
+    a = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "step_0000002.pt"))
+    b = checkpoint.load(str(cut / "checkpoints" / "step_0000002.pt"))
     assert same_state(a["target"], b["target"]) and same_state(a["head"], b["head"])
     assert same_optimizer(a, b)
     # another setting under the same folder is refused, naming it
@@ -152,10 +153,25 @@ def test_the_best_epoch_exports_with_its_head(pretrained, tmp_path):
     conf = json.loads((folder / "config.json").read_text())
     assert conf["head"]["task"] == "diabetic" and conf["head"]["kind"] == "attentive"
     assert "Fine-tuned end to end for `diabetic`" in (folder / "README.md").read_text()
-    clf = encoder.load_classifier(folder)
+    clf = load_classifier(folder)
     test = ft.split == "test"
     rows = [r for r, m in zip(ft.rows, test) if m][:6]
     vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in rows])
     expect = ft.predict(np.array([any(r is q for q in rows) for r in ft.rows]))
     assert np.allclose(clf(vols).numpy(), expect, atol=1e-5)
     assert clf.classes == ["not_diabetic", "diabetic"]
+
+
+@pytest.mark.slow
+def test_two_process_finetune_under_torchrun(pretrained, tmp_path):
+    """DDP on two CPU processes (gloo): a frozen epoch (only the head is wrapped) then a thawed one."""
+    from conftest import free_port
+
+    out = tmp_path / "ddp"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "-m", "evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}",
+                        "epochs=2", "frozen_epochs=1", *QUICK], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "on cpu x2" in r.stdout
+    m = json.loads((out / "diabetic" / "metrics.json").read_text())
+    assert [h["epoch"] for h in m["history"]] == [1, 2]

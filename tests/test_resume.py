@@ -112,6 +112,7 @@ def test_a_position_the_new_batch_cannot_reach_is_refused(tiny_cache, tmp_path):
     assert r.returncode == 2 and "batch_size 4" in r.stderr
 
 
+@pytest.mark.slow  # two torchrun launches (about 20 s): the heavy lane
 def test_one_process_resumed_on_two_continues_the_data(tiny_cache, tmp_path):
     """A run on one process (batch 4) resumed on two (batch 4 each: a global batch of 8) with
     torchrun: the position is converted (8 samples in: one global batch), and the two

@@ -142,34 +142,3 @@ def load_encoder(folder: str | Path, device: str | torch.device = "cpu") -> Cach
     state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(device))
     return build(cfg, state).to(device)
 
-
-class CachedVolumeClassifier(nn.Module):
-    """A fine-tuned model folder: the encoder and its task head, cached uint8 volumes in, class
-    probabilities [B, classes] out (names in `classes`)."""
-
-    def __init__(self, enc: CachedVolumeEncoder, head: nn.Module, kind: str, token_pool, classes: list[str]):
-        super().__init__()
-        self.encoder, self.head, self.kind = enc, head, kind
-        self.token_pool, self.classes = tuple(token_pool), list(classes)
-
-    @torch.no_grad()
-    def forward(self, volumes: torch.Tensor) -> torch.Tensor:
-        out = self.encoder(volumes)
-        tokens = self.encoder.encoder.pool_grid(out.tokens, self.token_pool) if self.kind == "attentive" else None
-        return torch.softmax(self.head(out.pooled, tokens)[:, 0].float(), -1)
-
-
-def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> CachedVolumeClassifier:
-    """The encoder and task head of a fine-tuned model folder, in eval mode on `device`."""
-    from safetensors.torch import load_file
-
-    from evals.probe_heads import AttentiveHeads, LinearHeads
-
-    cfg = read_config(folder)
-    if "head" not in cfg:
-        raise ValueError(f"{Path(folder) / CONFIG_FILE}: no task head (a pretrained encoder; `make finetune` "
-                         "then `make export` writes one)")
-    h = cfg["head"]
-    head = (AttentiveHeads if h["kind"] == "attentive" else LinearHeads)(1, cfg["architecture"]["dim"], len(h["classes"]))
-    head.load_state_dict(load_file(str(Path(folder) / h["file"])))
-    return CachedVolumeClassifier(load_encoder(folder), head, h["kind"], h["token_pool"], h["classes"]).to(device).eval()
