@@ -140,11 +140,11 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
     """Write the model folder `out` (local or gs://); each file atomically. Returns config.json."""
     from safetensors.torch import save
 
-    enc, cfg, ident = features.checkpoint_encoder(ckpt)
+    st = checkpoint.load(ckpt)
+    enc, cfg, ident = features.checkpoint_encoder(ckpt, state=st)
     conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
     weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
     fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)
-    st = checkpoint.load(ckpt)
     if "finetune" in st:  # a `make finetune` best epoch: its task head beside the encoder
         ft = st["finetune"]
         conf["head"] = {"file": encoder.HEAD_FILE, "kind": ft["head"], "task": ft["task"], "classes": ft["classes"],

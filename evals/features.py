@@ -16,11 +16,13 @@ from train.model import Encoder
 FEATURE_VERSION = "1"
 
 
-def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None) -> tuple[Encoder, TrainConfig, dict]:
+def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None,
+                       state: dict | None = None) -> tuple[Encoder, TrainConfig, dict]:
     """The EMA target encoder of a checkpoint (V-JEPA evaluates it), or a random one of the
-    same architecture when ckpt is None (the baseline). Returns encoder, config, identity."""
+    same architecture when ckpt is None (the baseline). Returns encoder, config, identity.
+    `state`: the checkpoint already loaded (a caller that reads more of it loads it once)."""
     if ckpt:
-        st = checkpoint.load(ckpt)
+        st = state if state is not None else checkpoint.load(ckpt)
         cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
         enc = Encoder(cfg.model, cfg.data.input_shape)
         enc.load_state_dict(st["target"])

@@ -16,7 +16,6 @@ epoch to the weights an uninterrupted one reaches. The best epoch is kept as a c
 from __future__ import annotations
 
 import argparse
-import io
 import dataclasses
 import json
 import math
@@ -38,7 +37,7 @@ from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
 from train import checkpoint, data, encoder, metrics, runtime
-from train.config import TrainConfig
+from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
 from train.pretrain import decays, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
 from train.run_folder import RunFolder
@@ -77,20 +76,13 @@ def load_backbone(cfg: FinetuneConfig) -> Backbone:
 def folder_encoder(folder: str) -> tuple[Encoder, TrainConfig, dict]:
     """A model folder's encoder and a training config that rebuilds it (architecture, stride,
     input shape), so the best epoch is saved in the checkpoint format every stage reads."""
-    from safetensors.torch import load_file
-
     conf = encoder.read_config(folder)
-    module = encoder.build(conf, load_file(str(Path(folder) / encoder.WEIGHTS_FILE)))
-    norm = conf["normalization"]
-    if (norm["mean"], norm["std"]) != (data.PIXEL_MEAN, data.PIXEL_STD):
-        raise cli.UsageError(f"{folder}/{encoder.CONFIG_FILE}: normalization {norm} is not the trainer's "
-                             f"({data.PIXEL_MEAN}, {data.PIXEL_STD}); fine-tuning would feed it other inputs")
-    arch = {k: conf["architecture"][k] for k in encoder.ARCH_KEYS if k in conf["architecture"]}
-    inp = conf["input"]
-    tcfg = config.from_dict(TrainConfig, {
-        "model": arch, "data": {"cache": (conf.get("cache") or {}).get("uri") or "data/cache",
-                                "stride": inp["stride"], "input_shape": inp["input_shape"]}},
-        where=f"{folder}/{encoder.CONFIG_FILE}")
+    module = encoder.load_encoder(folder)
+    if (module.mean, module.std) != (data.PIXEL_MEAN, data.PIXEL_STD):
+        raise cli.UsageError(f"{folder}/{encoder.CONFIG_FILE}: normalization {conf['normalization']} is not the "
+                             f"trainer's ({data.PIXEL_MEAN}, {data.PIXEL_STD}); fine-tuning would feed it other inputs")
+    tcfg = TrainConfig(model=encoder.architecture(conf), data=DataConfig(
+        cache=(conf.get("cache") or {}).get("uri") or "data/cache", stride=module.stride, input_shape=module.input_shape))
     return module.encoder, tcfg, {"model_folder": str(folder), **checkpoint.identity(str(Path(folder) / encoder.WEIGHTS_FILE))}
 
 
@@ -183,8 +175,8 @@ class Finetuner:
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
         self.opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"], "lr": lr}
                                       for g, lr in zip(self.groups, self.lrs)], lr=self.lrs[0], **optimizer_flags(rt.kind))
-        self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]) if cfg.class_weight
-                       else None)
+        self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]).to(rt.device)
+                       if cfg.class_weight else None)
         self.folder = RunFolder(run_dir(cfg))
         self.ckpt_dir = self.folder.checkpoints()
         self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
@@ -201,7 +193,7 @@ class Finetuner:
               "head": to_cpu(self.model.head.state_dict()), "step": self.epoch,
               "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.cfg.head,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
-                           "from": self.ident, "epoch": self.epoch, "best": self.best}}
+                           "from": self.ident, "best": self.best}}
         if not best:
             st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, stale=self.stale,
                       history=self.history)
@@ -231,9 +223,7 @@ class Finetuner:
 
     def save_best(self) -> None:
         if self.rt.is_master:
-            buf = io.BytesIO()
-            torch.save(self.state(best=True), buf)
-            fsio.atomic_write_bytes(self.folder.finetuned(), buf.getvalue())
+            checkpoint.write(self.state(best=True), self.folder.finetuned())
         self.rt.barrier()
 
     # ------------------------------------------------------------ data and steps
@@ -265,18 +255,17 @@ class Finetuner:
         x = data.normalize(b["x"], b["aug"])
         with self.rt.autocast():
             logits = net(x)
-        loss = F.cross_entropy(logits.float(), b["y"], weight=None if self.weight is None else self.weight.to(x.device),
-                               label_smoothing=self.cfg.label_smoothing)
+        loss = F.cross_entropy(logits.float(), b["y"], weight=self.weight, label_smoothing=self.cfg.label_smoothing)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)  # frozen parameters have no grad
         self.opt.step()
         return loss.detach()
 
     @torch.no_grad()
     def predict(self, mask: np.ndarray) -> np.ndarray:
-        """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see them)."""
-        was = self.model.training
+        """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
+        them). Leaves the model in eval mode: each epoch starts with set_phase."""
         self.model.eval()
         rows = [r for r, m in zip(self.rows, mask) if m]
         d = self.tcfg.data
@@ -285,9 +274,8 @@ class Finetuner:
                                            pad=self.rt.kind == "xla"):
             x = x.to(self.rt.device)
             with self.rt.autocast():
-                logits = self.model(data.normalize(x, torch.tensor([[1.0, 0.0]], device=x.device).expand(len(x), 2)))
+                logits = self.model(data.normalize(x))
             out.append(torch.softmax(logits.float(), -1)[:n].cpu())
-        self.model.train(was)
         return torch.cat(out).numpy() if out else np.zeros((0, self.spec["classes"]))
 
     def validate(self) -> dict:
@@ -339,8 +327,7 @@ class Finetuner:
                     self.step += 1
                     bar.update(1)
                     if self.step % cfg.log_every == 0:
-                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]),
-                                 "lr": float(self.lrs[-1])})
+                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": f})
                 self.epoch += 1
                 v = self.validate()
                 v["loss"] = float(torch.stack(losses).mean())

@@ -135,6 +135,21 @@ def _at_step(records: dict[int, dict], step: int, exact: bool = False) -> dict:
     return records[max(before)] if before and not exact else {}
 
 
+def head_columns(p: dict) -> dict:
+    """A chosen head's columns: its settings, val and test scores with intervals."""
+    return {"head": p["head"], "lr": p["lr"], "weight_decay": p["weight_decay"], "n_val": p["val"]["n"],
+            "n_test": p["test"]["n"], **_scores("val", p["val"]), **_scores("test", p["test"]),
+            "test_collapsed": p["test"]["collapsed"]}
+
+
+def device_columns(per_device: dict) -> dict:
+    """Its test scores per device (`...@<device>` columns)."""
+    out = {}
+    for device, m in per_device.items():
+        out.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
+    return out
+
+
 def table_rows(run: str, records: list[dict]) -> list[dict]:
     """One row per checkpoint and task: the pretrained encoder's head chosen on val, its val
     and test scores with intervals, per test device, and the pretraining metrics at that step."""
@@ -148,15 +163,12 @@ def table_rows(run: str, records: list[dict]) -> list[dict]:
             heads = [p for p in res["probes"] if p["encoder"] == "pretrained"]
             p = max(heads, key=lambda h: probe.val_rank(h["val"]["balanced_accuracy"], h["val"]["auroc_macro_ovr"]))
             row = {"run": str(run), "run_name": Path(run).name, "step": rec["step"], "task": task,
-                   "ckpt": rec["ckpt"], "ckpt_exists": rec["ckpt_exists"], "head": p["head"], "lr": p["lr"],
-                   "weight_decay": p["weight_decay"], "n_val": p["val"]["n"], "n_test": p["test"]["n"],
-                   **_scores("val", p["val"]), **_scores("test", p["test"]), "test_collapsed": p["test"]["collapsed"],
+                   "ckpt": rec["ckpt"], "ckpt_exists": rec["ckpt_exists"], **head_columns(p),
                    "pretrain_logged_step": tr.get("step"), "pretrain_loss": tr.get("loss"),
                    "pretrain_rankme": tr.get("rankme"), "pretrain_target_std": tr.get("target_std"),
                    "pretrain_val_loss": va.get("loss"), "online_probe_step": online.get("step"),
-                   "online_knn_bal_acc": online.get(f"{task}/knn_bal_acc")}
-            for device, m in res["per_device"].get(p["head"], {}).items():
-                row.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
+                   "online_knn_bal_acc": online.get(f"{task}/knn_bal_acc"),
+                   **device_columns(res["per_device"].get(p["head"], {}))}
             rows.append(row)
     return rows
 
@@ -165,17 +177,14 @@ def finetune_table_rows(run: str) -> list[dict]:
     """A `make finetune` run folder's rows: its task report (the best val epoch, scored on test),
     nothing probed; columns as table_rows writes them (the pretraining ones empty)."""
     folder = RunFolder(run)
+    best = folder.finetuned()
     rows = []
     for path in sorted(folder.root.glob("*/metrics.json")):
         res = json.loads(path.read_text())
         p = res["probes"][0]
-        best = folder.finetuned()
         row = {"run": str(run), "run_name": Path(run).name, "step": p["best_epoch"], "task": res["task"], "ckpt": best,
-               "ckpt_exists": Path(best).exists(), "head": f"{p['encoder']} {p['head']}", "lr": p["lr"],
-               "weight_decay": p["weight_decay"], "n_val": p["val"]["n"], "n_test": p["test"]["n"],
-               **_scores("val", p["val"]), **_scores("test", p["test"]), "test_collapsed": p["test"]["collapsed"]}
-        for device, m in res["per_device"].get(p["head"], {}).items():
-            row.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
+               "ckpt_exists": Path(best).exists(), **head_columns(p), "head": f"{p['encoder']} {p['head']}",
+               **device_columns(res["per_device"].get(p["head"], {}))}
         rows.append(row)
     return rows
 
@@ -292,12 +301,12 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     probe.check_tasks(cfg)
     board = Board(cfg)
     done, todo = {}, []
-    tuned = {r for r in runs if RunFolder(r).finetune.exists()}
+    tuned = {r: finetune_table_rows(r) for r in runs if RunFolder(r).finetune.exists()}  # reports, nothing to probe
     for r in runs:
         if not Path(r).is_dir():
             raise cli.UsageError(f"run: no run folder {r}")
         if r in tuned:
-            if not finetune_table_rows(r):
+            if not tuned[r]:
                 raise cli.UsageError(f"run: the fine-tuning run {r} has no report yet (let `make finetune` finish)")
             continue
         done[r], t = board.plan(r)
@@ -308,7 +317,7 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     for r, step, uri, ident in bar:
         bar.set_postfix_str(f"{Path(r).name} step {step}")
         done[r][step] = board.probe(r, step, uri, ident)
-    table = pd.DataFrame([row for r in runs for row in (finetune_table_rows(r) if r in tuned else
+    table = pd.DataFrame([row for r in runs for row in (tuned[r] if r in tuned else
                                                         table_rows(r, [done[r][s] for s in sorted(done[r])]))])
     best = select_best(table)
     table["best"] = table.index.isin(best.index)

@@ -57,11 +57,20 @@ def identity(uri: str) -> dict:
     return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
 
 
-def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
-    """Write step_<N>.pt then latest.pt, each atomically; prune beyond keep_last."""
+def encode(state: dict) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
-    data = buf.getvalue()
+    return buf.getvalue()
+
+
+def write(state: dict, uri: str) -> None:
+    """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt)."""
+    fsio.atomic_write_bytes(uri, encode(state))
+
+
+def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
+    """Write step_<N>.pt then latest.pt, each atomically; prune beyond keep_last."""
+    data = encode(state)
     path = step_uri(ckpt_dir, step)
     fsio.atomic_write_bytes(path, data)
     fsio.atomic_write_bytes(fsio.join(ckpt_dir, "latest.pt"), data)

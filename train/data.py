@@ -20,12 +20,15 @@ from train.config import DataConfig, MaskConfig
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
 
 
-def normalize(x_u8: torch.Tensor, aug: torch.Tensor, mean: float = PIXEL_MEAN, std: float = PIXEL_STD) -> torch.Tensor:
-    """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter (shared by
-    the trainer, the probes' feature extraction and exported encoders, which pass the mean
-    and std their config.json records)."""
+def normalize(x_u8: torch.Tensor, aug: torch.Tensor | None = None, mean: float = PIXEL_MEAN,
+              std: float = PIXEL_STD) -> torch.Tensor:
+    """uint8 [B,1,D,H,W] -> float on the device, with per-sample gain/offset jitter `aug` [B, 2]
+    (None: none, as evaluation sees volumes). Shared by the trainer, the probes' feature
+    extraction, fine-tuning and exported encoders, which pass the mean and std their config.json
+    records."""
     x = x_u8.float().div_(255.0)
-    x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
+    if aug is not None:
+        x = x * aug[:, 0].view(-1, 1, 1, 1, 1) + aug[:, 1].view(-1, 1, 1, 1, 1)
     return (x - mean) / std
 
 

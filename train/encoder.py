@@ -63,8 +63,7 @@ def volume_batches(cache: str, rows: list[dict], stride, shape, batch: int, pad:
 
 def tokens(enc: Encoder, x_u8: torch.Tensor) -> torch.Tensor:
     """Token features [b, N, d] (float32) of uint8 volumes, normalised without jitter."""
-    aug = torch.tensor([[1.0, 0.0]], device=x_u8.device).expand(x_u8.shape[0], 2)
-    return enc(data.normalize(x_u8, aug)).float()
+    return enc(data.normalize(x_u8)).float()
 
 
 class Embeddings(NamedTuple):
@@ -96,8 +95,7 @@ class CachedVolumeEncoder(nn.Module):
         if tuple(x.shape[-3:]) != self.input_shape:
             raise ValueError(f"volumes {tuple(volumes.shape[-3:])} after stride {list(s)} are smaller than the "
                              f"encoder's input {list(self.input_shape)}")
-        aug = torch.tensor([[1.0, 0.0]], device=x.device).expand(x.shape[0], 2)
-        return data.normalize(x, aug, self.mean, self.std)
+        return data.normalize(x, None, self.mean, self.std)
 
     @torch.no_grad()
     def forward(self, volumes: torch.Tensor) -> Embeddings:
@@ -111,10 +109,15 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
     return CachedVolumeEncoder(enc, stride, input_shape, data.PIXEL_MEAN, data.PIXEL_STD).eval()
 
 
+def architecture(cfg: dict) -> ModelConfig:
+    """The encoder's ModelConfig from a config.json (older exports: no stem, stem_pool, pool)."""
+    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}
+    return typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
+
+
 def build(cfg: dict, state: dict[str, torch.Tensor] | None = None) -> CachedVolumeEncoder:
     """The module a config.json describes, with `state` loaded (strictly) when given."""
-    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}  # older exports: no stem, stem_pool, pool
-    arch = typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
+    arch = architecture(cfg)
     inp, norm = cfg["input"], cfg["normalization"]
     enc = Encoder(arch, inp["input_shape"])
     if state is not None:
