@@ -117,7 +117,7 @@ bench: $(STAMP)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m evals.learning_check --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) \
+	$(PY) -m evals.learning_check --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
 		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)

@@ -378,7 +378,7 @@ class Finetuner:
             out = self.folder.root / self.cfg.task
             probe.write_report(result, out, self.y[test], prob[test])
             plot_history(self.history, out / "curves.png", f"{self.cfg.task}: fine-tuning ({self.cfg.init})")
-        return result
+        return {**result, "prob": prob}  # every row's class probabilities (val and test filled): in memory only
 
 
 def plot_history(history: list[dict], path: Path, title: str) -> None:

@@ -9,7 +9,9 @@ of the same architecture, the majority class and a supervised reference with the
 the same participants. It reports test balanced accuracy pretrained minus random-init with a
 paired bootstrap interval over participants for both tasks, label-efficiency curves (probes on
 10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
-same subsets), and, for `CUE=scanners`, every scanner held out in turn. Every stage is
+same subsets), for `CUE=scanners` every scanner held out in turn and, with `--finetune`
+(FINETUNE=1), `make finetune` from the checkpoint and from random init on 10% and 100% of the
+labels against the frozen attentive probe. Every stage is
 resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
 result.png; docs/learning-check.md keeps the decisions behind it.
 """
@@ -28,12 +30,12 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import check_probes, probe, subsets, supervised
-from evals.config import ProbeConfig
+from evals import check_probes, finetune, probe, subsets, supervised
+from evals.config import FinetuneConfig, ProbeConfig
 from ingest import synth
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
-from train import checkpoint, metrics, pretrain
+from train import checkpoint, metrics, pretrain, runtime
 from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
@@ -63,6 +65,8 @@ CUES = {
 }
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
+FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
+FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
 BINARY, MULTI = "diabetic", "study_group"
 
 
@@ -89,7 +93,8 @@ class Stages:
 
 # What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
 COHORT_CODE = ("ingest/synth.py",)
-RECIPE_CODE = ("train", "evals", "octfm", "cache", "manifests")
+PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain` runs (train/ imports no evals/)
+SUPERVISED_CODE = (*PRETRAIN_CODE, "evals")                # evals/supervised.py trains the reference
 
 
 def cohort(root: Path, cfg: synth.SynthConfig) -> str:
@@ -112,10 +117,11 @@ def build_cache(source: str, cache: Path) -> str:
     return str(cache)
 
 
-def recipe_name(config_path: str, cache: str, overrides: Sequence[str]) -> str:
-    """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (train/, evals/
-    and what they stand on) trains afresh and an unchanged one resumes."""
-    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, config.source_digest(*RECIPE_CODE)])
+def recipe_name(config_path: str, cache: str, overrides: Sequence[str], code: Sequence[str] = PRETRAIN_CODE) -> str:
+    """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (the sources
+    under `code`) trains afresh and an unchanged one resumes; an edit to the probes alone keeps
+    the pretraining."""
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, config.source_digest(*code)])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -132,8 +138,54 @@ def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence
     binary task's labels (of these participants, for a label fraction) for as many steps as
     pretraining takes."""
     cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
-    name = recipe_name(config_path, cache, overrides).replace("pretrain_", "supervised_") + tag
+    name = recipe_name(config_path, cache, overrides, SUPERVISED_CODE).replace("pretrain_", "supervised_") + tag
     return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants)
+
+
+def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
+              n_boot: int, args: Sequence[str]) -> np.ndarray:
+    """`make finetune` (configs/finetune.yaml as users run it, on the cpu in fp32) of the check's
+    checkpoint or, with init=random, of the same architecture from scratch, on the label
+    fraction's participants (the probes' subsets: the same seed); resumable. Returns its best
+    epoch's class probabilities for `rows`."""
+    tag = f"{init}_{round(fraction * 100)}pct"
+    cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
+                      [f"ckpt={ckpt}", f"cache={cache}", f"out={out / tag}", f"init={init}",
+                       f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", "device=cpu",
+                       "precision=fp32", "task=" + BINARY, *args])
+    ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
+    if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
+        raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
+    return ft.run(progress=True)["prob"]
+
+
+def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int) -> list[dict]:
+    """Per fraction: fine-tuned from the checkpoint and from random init (test balanced accuracy,
+    the paired difference), and fine-tuned against the frozen attentive probe of the same
+    encoder on the same participants."""
+    out, te = [], check_probes.tested_rows(fs)
+    for f in sorted(tuned):
+        p, r = tuned[f]["pretrained"], tuned[f]["random"]
+        out.append({"fraction": f, **{name: check_probes.score(BINARY, rows, v, te, n_boot, seed)
+                                      for name, v in (("pretrained", p), ("random_init", r),
+                                                      ("frozen_attentive", frozen[f]))},
+                    "pretrained_minus_random_init": check_probes.paired(BINARY, rows, p, r, te, n_boot, seed),
+                    "finetuned_minus_frozen": check_probes.paired(BINARY, rows, p, frozen[f], te, n_boot, seed)})
+    return out
+
+
+def finetune_verdict(points: list[dict]) -> str:
+    """Issue 28's target at the smallest fraction: fine-tuned pretrained minus random-init >= +0.05
+    with the paired lower bound above 0, and fine-tuned >= the frozen attentive probe."""
+    first = points[0]
+    d, lo = first["pretrained_minus_random_init"]["difference"], first["pretrained_minus_random_init"]["difference_ci95"][0]
+    ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen_attentive"]["balanced_accuracy"]
+    ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and ft >= fr
+    return (f"fine-tuning at {pct(first['fraction'])} of labels: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
+            f"{d:+.3f} [{_f(lo)}, {_f(first['pretrained_minus_random_init']['difference_ci95'][1])}] "
+            f"({ft:.3f} vs {first['random_init']['balanced_accuracy']:.3f}); fine-tuned {ft:.3f} vs frozen "
+            f"attentive probe {fr:.3f}; target >= +{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned "
+            f">= frozen")
 
 
 def chosen_on_val(res: dict, encoder: str) -> str:
@@ -253,6 +305,17 @@ def markdown(result: dict) -> str:
                      f" | {_diff(p['pretrained_minus_random_init'])} |" +
                      (f" {_diff(p['pretrained_minus_supervised'])} |" if with_sup else ""))
     lines.append("")
+    if result.get("finetune"):
+        lines += [f"Fine-tuning ({BINARY}, `make finetune` with configs/finetune.yaml on the same participants; the "
+                  "best val epoch scored on test): from the checkpoint and from random init, against the frozen "
+                  "attentive probe of the checkpoint.", "", result["finetune"]["verdict"], "",
+                  "| labels | fine-tuned | fine-tuned random-init | frozen attentive | fine-tuned - random [95% CI] "
+                  "| fine-tuned - frozen [95% CI] |", "|---|---|---|---|---|---|"]
+        lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
+                  f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen_attentive']['balanced_accuracy']:.3f} | "
+                  f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} |"
+                  for p in result["finetune"]["points"]]
+        lines.append("")
     tr = result["training"]
     if tr:
         lines += [f"Pretraining: {tr['steps']} steps, loss {tr['loss'][0]:.4f} -> {tr['loss'][1]:.4f}, "
@@ -302,6 +365,11 @@ def plot(result: dict, path: Path) -> None:
             hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in pts]
             ax.errorbar(x, v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
                         label=name.replace("_", "-"))
+    for j, name in enumerate(("pretrained", "random_init")):
+        tuned = (result.get("finetune") or {}).get("points", [])
+        if tuned:
+            ax.plot([100 * p["fraction"] for p in tuned], [p[name]["balanced_accuracy"] for p in tuned], "s--",
+                    color=f"C{j}", alpha=0.7, label=f"fine-tuned {name.replace('_', '-')}")
     ax.set_xscale("log")
     ax.set_xticks(x, [f"{v:g}%" for v in x])
     ax.set_xlabel("labelled train participants")
@@ -330,9 +398,11 @@ def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> dict:
     return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"]
 
 
-def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int) -> dict:
+def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
+              tuned: dict | None = None) -> dict:
     """Heads on every encoder's features: the two tasks on all labels, the binary task's
-    label-efficiency curve and, for the scanners protocol, each held-out scanner."""
+    label-efficiency curve, for the scanners protocol each held-out scanner and, given fine-tuned
+    probabilities ({fraction: {init: prob}}), the fine-tuning rows."""
     fs = check_probes.folds(rows, protocol)
     seed = pcfg.seed
     fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
@@ -345,22 +415,29 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
     people = subsets.nested_fractions(rows, fractions, seed)
-    curve = []
-    for f in sorted(fractions):
+    curve, frozen = [], {}
+    for f in sorted({*fractions, *(tuned or {})}):
         ff = check_probes.narrowed(fs, rows, people[f])
         encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff)
                 for e in ("pretrained", "random_init")}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
+        if tuned and f in tuned:
+            frozen[f] = encs["pretrained"]["attentive"]["prob"]
+        if f not in fractions:
+            continue
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
     out["label_efficiency"] = {"task": BINARY, "points": curve}
+    if tuned:
+        out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed)}
     return out
 
 
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
-          probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS) -> dict:
+          probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
+          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = ()) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
@@ -372,6 +449,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = home / "cache"
     else:
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
+    if finetune_fractions and "attentive" not in config.load(ProbeConfig, "configs/probe.yaml", probe_args).heads:
+        raise cli.UsageError("--probe heads=...: the fine-tuning rows compare with the frozen attentive probe; "
+                             "keep attentive among the heads")
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -388,7 +468,14 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
             sup[frac] = stages.run(f"supervised reference, {pct(frac)} of labels", lambda frac=frac, tag=tag: (
                 supervised_features(pcfg, supervised_ckpt(config_path, cache, out, overrides, people[frac], tag),
                                     probe_dir)))
-    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot))
+    tuned = {}
+    if spec.protocol == "splits":  # held-out scanners: no fine-tuning per fold
+        for frac in sorted(finetune_fractions):
+            tuned[frac] = {init: stages.run(f"fine-tuning ({init} init), {pct(frac)} of labels", lambda init=init, frac=frac: (
+                finetuned(ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
+                          finetune_args))) for init in ("pretrained", "random")}
+    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
+                                                    tuned))
     result = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
               "source": source, "cohort_seed": seed if generated else None,
               "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
@@ -397,6 +484,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
               **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     result["verdict"] = verdict(result)
+    if "finetune" in result:
+        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
     dest = out / cue
     dest.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(dest / "result.json"), json.dumps(result, indent=2, default=float).encode())
@@ -441,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
     ap.add_argument("--no-supervised", action="store_true",
                     help="skip the supervised reference (the same encoder trained on the labels)")
+    ap.add_argument("--finetune", action="store_true",
+                    help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
+                         f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)")
+    ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
     ap.add_argument("--line", metavar="RUN", default=None,
                     help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
@@ -450,11 +543,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
-              a.probe, with_supervised=not a.no_supervised)
+              a.probe, with_supervised=not a.no_supervised,
+              finetune_fractions=FINETUNE_FRACTIONS if a.finetune else (), finetune_args=a.finetune_arg)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")
     print(r["verdict"])
+    if "finetune" in r:
+        print(r["finetune"]["verdict"])
     return 0
 
 

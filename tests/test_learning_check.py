@@ -56,7 +56,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
-    again = run_cli("evals.learning_check", *args)
+    tune = ["--finetune", *(x for kv in ("epochs=1", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
+    again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
     assert "nothing to do" in again.stdout                       # the run is at max_steps already
@@ -64,6 +65,18 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     res2 = json.loads((out / "lesions" / "result.json").read_text())
     assert res2["features_reused"] == {"pretrained": True, "random_init": True}
     assert res2["tasks"] == res["tasks"] and res2["label_efficiency"] == res["label_efficiency"]
+    tuned = res2["finetune"]["points"]                                   # fine-tuned from the checkpoint and from random
+    assert [p["fraction"] for p in tuned] == [0.1, 1.0]
+    assert again.stdout.strip().splitlines()[-1] == res2["finetune"]["verdict"]
+    attentive = res["tasks"]["diabetic"]["comparisons"]["attentive"]["pretrained"]
+    assert tuned[-1]["frozen_attentive"]["balanced_accuracy"] == attentive       # the frozen probe it is set against
+    for p in tuned:
+        for key, a, b in (("pretrained_minus_random_init", "pretrained", "random_init"),
+                          ("finetuned_minus_frozen", "pretrained", "frozen_attentive")):
+            assert abs(p[key]["difference"] - (p[a]["balanced_accuracy"] - p[b]["balanced_accuracy"])) < 1e-9
+    assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("10%", "100%")} \
+        <= set(res2["stages"])
+    assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / "random_10pct" / "diabetic" / "metrics.json").exists()
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
@@ -77,8 +90,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
 
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
-    instead of answering "nothing to do" from runs older code made) and editing the generator
-    makes the cohort afresh; unedited, both are reused."""
+    instead of answering "nothing to do" from runs older code made), editing evals/ retrains the
+    supervised reference but keeps the pretraining, and editing the generator makes the cohort
+    afresh; unedited, all are reused."""
     import shutil
     import subprocess
     import sys
@@ -90,21 +104,26 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
                                                               "*.egg-info"))
     probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
+             "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'], lc.SUPERVISED_CODE)); "
              "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
 
     def run():
         r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cohort")], cwd=copy, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        name, said = r.stdout.splitlines()[0], r.stdout.splitlines()[-1]
-        return name, said.endswith("reused")
+        lines = r.stdout.splitlines()
+        return (lines[0], lines[1]), lines[-1].endswith("reused")
 
     first, _ = run()
-    assert run() == (first, True)                                    # nothing changed: both reused
+    assert run() == (first, True)                                    # nothing changed: all reused
+    with open(copy / "evals" / "probe.py", "a") as f:
+        f.write("\n# an edit\n")
+    (pre, sup), reused = run()
+    assert pre == first[0] and sup != first[1] and reused            # a probe edit: the pretraining kept
     with open(copy / "train" / "model.py", "a") as f:
         f.write("\n# an edit\n")
     second, reused = run()
-    assert second != first and reused                                # a trainer edit: a new run, the same cohort
+    assert second[0] != pre and second[1] != sup and reused          # a trainer edit: new runs, the same cohort
     with open(copy / "ingest" / "synth.py", "a") as f:
         f.write("\n# an edit\n")
     assert run() == (second, False)                                  # a generator edit: the cohort anew
