@@ -532,7 +532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="skip the supervised reference (the same encoder trained on the labels)")
     ap.add_argument("--finetune", action="store_true",
                     help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
-                         f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)")
+                         f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
+    ap.add_argument("--finetune-fraction", action="append", type=float, default=None,
+                    help=f"with --finetune, fine-tune on this label fraction only (repeatable; default "
+                         f"{' and '.join(str(f) for f in FINETUNE_FRACTIONS)})")
     ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
     ap.add_argument("--line", metavar="RUN", default=None,
                     help="only print the one-line comparison from RUN/probe (no work)")
@@ -544,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
               a.probe, with_supervised=not a.no_supervised,
-              finetune_fractions=FINETUNE_FRACTIONS if a.finetune else (), finetune_args=a.finetune_arg)
+              finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
+              finetune_args=a.finetune_arg)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")
