@@ -169,6 +169,44 @@ def test_max_pooling_reaches_every_reader_and_survives_export():
     assert torch.equal(out.pooled, out.tokens.amax(1))
 
 
+def test_one_tokenisation_per_step_gives_the_per_mask_set_loss_and_gradients():
+    """JEPA tokenises the volume once and gathers each mask set's context from it: the loss and
+    every gradient equal those of a full encoder pass per mask set (the way before)."""
+    import torch
+
+    from train.config import LossConfig, ModelConfig
+    from train.model import JEPA, gather_tokens
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(tubelet=(4, 16, 16), stem=(8,), stem_pool="max", dim=32, depth=2, heads=2, pred_dim=16,
+                      pred_depth=1, pred_heads=2)
+    model = JEPA(cfg, (8, 32, 64), LossConfig(local=1.0))
+    x, targets = torch.randn(2, 1, 8, 32, 64), torch.randn(2, 16, 32)
+    masks = [(torch.tensor([[0, 3, 14, 15]] * 2), torch.tensor([[1, 2]] * 2), torch.tensor([[True] * 3 + [False]] * 2)),
+             (torch.tensor([[4, 5, 6]] * 2), torch.tensor([[7, 8, 9]] * 2), None)]
+
+    def per_mask_set():  # the reference: tokenise inside each encoder pass
+        from train.model import local_cells
+        cells, losses = local_cells(x, model.tubelet, model.loss.local_cell), []
+        for ctx_idx, tgt_idx, valid in masks:
+            h = model.encoder(x, ctx_idx, valid)
+            latent = (model.predictor(h, ctx_idx, tgt_idx, valid) - gather_tokens(targets, tgt_idx)).abs().mean()
+            err = (model.local_head(h) - gather_tokens(cells, ctx_idx)).abs().mean(-1)
+            w = torch.ones_like(err) if valid is None else valid.float()
+            losses.append(latent + (err * w).sum() / w.sum())
+        return torch.stack(losses).mean()
+
+    grads = []
+    for fn in (lambda: model(x, masks, targets), per_mask_set):
+        model.zero_grad()
+        loss = fn()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_local_term_reads_each_context_token_own_tubelet_cells():
     """loss.local: a bright voxel and a dark one show up in the max and min cells of the token
     whose tubelet holds them (the patchify's order), at the cell where they sit; the term adds a

@@ -169,9 +169,13 @@ class Encoder(nn.Module):
         return t.flatten(2).transpose(1, 2) + self.pos
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        t = self.tokenize(x)
-        if idx is not None:
-            t = gather_tokens(t, idx)
+        return self.transform(self.tokenize(x), idx, valid)
+
+    def transform(self, tokens: torch.Tensor, idx: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks on `tokenize`'s output (its `idx` tokens): a step tokenises once and
+        gathers each mask set's context from it."""
+        t = tokens if idx is None else gather_tokens(tokens, idx)
         for blk in self.blocks:
             t = blk(t, valid)
         return self.norm(t)
@@ -258,9 +262,10 @@ class JEPA(nn.Module):
                 targets: torch.Tensor) -> torch.Tensor:
         """`masks`: (context ids, target ids, context validity or None) per mask set."""
         cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell)
+        tokens = self.encoder.tokenize(x)  # once: the stem and patchify are a third of a step at check size
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:
-            ctx = self.encoder(x, ctx_idx, ctx_valid)
+            ctx = self.encoder.transform(tokens, ctx_idx, ctx_valid)
             pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
             loss = self.loss.latent * (pred.float() - tgt.float()).abs().mean()
