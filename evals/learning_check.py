@@ -414,18 +414,19 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
                              n_boot, seed) for t in (MULTI, BINARY)}
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
-    people = subsets.nested_fractions(rows, fractions, seed)
+    people = subsets.nested_fractions(rows, {*fractions, *(tuned or {})}, seed)
     curve, frozen = [], {}
-    for f in sorted({*fractions, *(tuned or {})}):
+    for f in sorted(people):
         ff = check_probes.narrowed(fs, rows, people[f])
+        if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
+            frozen[f] = check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff)["attentive"]["prob"]
+            continue
         encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff)
                 for e in ("pretrained", "random_init")}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
         if tuned and f in tuned:
             frozen[f] = encs["pretrained"]["attentive"]["prob"]
-        if f not in fractions:
-            continue
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
     out["label_efficiency"] = {"task": BINARY, "points": curve}

@@ -56,7 +56,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
-    tune = ["--finetune", *(x for kv in ("epochs=1", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
+    tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
+            *(x for kv in ("epochs=1", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
     again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
@@ -66,7 +67,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["features_reused"] == {"pretrained": True, "random_init": True}
     assert res2["tasks"] == res["tasks"] and res2["label_efficiency"] == res["label_efficiency"]
     tuned = res2["finetune"]["points"]                                   # fine-tuned from the checkpoint and from random
-    assert [p["fraction"] for p in tuned] == [0.1, 1.0]
+    assert [p["fraction"] for p in tuned] == [0.5, 1.0]
     assert again.stdout.strip().splitlines()[-1] == res2["finetune"]["verdict"]
     attentive = res["tasks"]["diabetic"]["comparisons"]["attentive"]["pretrained"]
     assert tuned[-1]["frozen_attentive"]["balanced_accuracy"] == attentive       # the frozen probe it is set against
@@ -74,9 +75,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         for key, a, b in (("pretrained_minus_random_init", "pretrained", "random_init"),
                           ("finetuned_minus_frozen", "pretrained", "frozen_attentive")):
             assert abs(p[key]["difference"] - (p[a]["balanced_accuracy"] - p[b]["balanced_accuracy"])) < 1e-9
-    assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("10%", "100%")} \
+    assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / "random_10pct" / "diabetic" / "metrics.json").exists()
+    assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / "random_50pct" / "diabetic" / "metrics.json").exists()
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
