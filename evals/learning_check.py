@@ -33,7 +33,6 @@ from cache.config import CacheConfig
 from evals import check_probes, finetune, probe, subsets, supervised
 from evals.config import FinetuneConfig, ProbeConfig
 from ingest import synth
-from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
 from train import checkpoint, metrics, pretrain, runtime
 from train.config import TrainConfig
@@ -365,11 +364,10 @@ def plot(result: dict, path: Path) -> None:
             hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in pts]
             ax.errorbar(x, v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
                         label=name.replace("_", "-"))
-    for j, name in enumerate(("pretrained", "random_init")):
-        tuned = (result.get("finetune") or {}).get("points", [])
-        if tuned:
-            ax.plot([100 * p["fraction"] for p in tuned], [p[name]["balanced_accuracy"] for p in tuned], "s--",
-                    color=f"C{j}", alpha=0.7, label=f"fine-tuned {name.replace('_', '-')}")
+    tuned = (result.get("finetune") or {}).get("points", [])
+    for j, name in enumerate(("pretrained", "random_init") if tuned else ()):
+        ax.plot([100 * p["fraction"] for p in tuned], [p[name]["balanced_accuracy"] for p in tuned], "s--",
+                color=f"C{j}", alpha=0.7, label=f"fine-tuned {name.replace('_', '-')}")
     ax.set_xscale("log")
     ax.set_xticks(x, [f"{v:g}%" for v in x])
     ax.set_xlabel("labelled train participants")
@@ -404,7 +402,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     label-efficiency curve, for the scanners protocol each held-out scanner and, given fine-tuned
     probabilities ({fraction: {init: prob}}), the fine-tuning rows."""
     fs = check_probes.folds(rows, protocol)
-    seed = pcfg.seed
+    seed, tuned = pcfg.seed, tuned or {}
     fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
             for t in (MULTI, BINARY)}
     out = {"tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, seed) for t in (MULTI, BINARY)}}
@@ -414,7 +412,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
                              n_boot, seed) for t in (MULTI, BINARY)}
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
-    people = subsets.nested_fractions(rows, {*fractions, *(tuned or {})}, seed)
+    people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
     curve, frozen = [], {}
     for f in sorted(people):
         ff = check_probes.narrowed(fs, rows, people[f])
@@ -425,7 +423,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
                 for e in ("pretrained", "random_init")}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
-        if tuned and f in tuned:
+        if f in tuned:
             frozen[f] = encs["pretrained"]["attentive"]["prob"]
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
@@ -450,15 +448,15 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = home / "cache"
     else:
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
-    if finetune_fractions and "attentive" not in config.load(ProbeConfig, "configs/probe.yaml", probe_args).heads:
+    pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
+                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
+                        "baselines=true", *probe_args])
+    if finetune_fractions and "attentive" not in pcfg.heads:
         raise cli.UsageError("--probe heads=...: the fine-tuning rows compare with the frozen attentive probe; "
                              "keep attentive among the heads")
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
-    pcfg = config.load(ProbeConfig, "configs/probe.yaml",
-                       [f"cache={cache}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
-                        "baselines=true", *probe_args])
     probe_dir = RunFolder(run_dir).probe
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
     sup = {}
