@@ -119,6 +119,38 @@ def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
         Encoder(ModelConfig(tubelet=(4, 6, 6), stem=(8, 8), dim=32, depth=1, heads=2), (16, 48, 48))
 
 
+
+@pytest.mark.parametrize("stem,stem_pool", [((), "none"), ((8,), "max")])
+def test_patchify_as_a_matmul_is_the_convolution(stem, stem_pool):
+    """tokenize lays tubelets out as rows and multiplies (train/model.py patchify): the tokens
+    and the gradients of the patch and peak weights equal the Conv3d modules' own, in the
+    grid's token order, so checkpoints written before it load and mean the same."""
+    import torch
+    import torch.nn.functional as F
+
+    from train.config import ModelConfig
+    from train.model import Encoder
+
+    torch.manual_seed(0)
+    enc = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=stem, stem_pool=stem_pool, dim=32, depth=1, heads=2), (8, 32, 48))
+    x = torch.randn(2, 1, 8, 32, 48)
+
+    def by_conv():
+        s = enc.stem(x)
+        t = enc.patch(s)
+        if enc.peak is not None:
+            t = t + enc.peak(F.max_pool3d(s, enc.patch.kernel_size))
+        return t.flatten(2).transpose(1, 2) + enc.pos
+
+    weights = [enc.patch.weight, enc.patch.bias] + ([enc.peak.weight] if enc.peak is not None else [])
+    grads = []
+    for fn in (by_conv, lambda: enc.tokenize(x)):
+        out = fn()
+        grads.append(torch.autograd.grad(out.square().sum(), weights))
+        grads[-1] = (out.detach(),) + grads[-1]
+    for a, b in zip(*grads):
+        assert a.shape == b.shape and float((a - b).norm() / b.norm()) <= 1e-5  # float32 sums in another order
+
 def test_peak_pooled_tokens_read_a_small_lesion_alike_anywhere_in_its_tubelet():
     """model.stem_pool=max: a bright voxel at two places inside one tubelet gives that token the
     same peak features (the patchify's position-dependent weights zeroed to isolate them), while

@@ -113,6 +113,18 @@ def conv_stem(channels) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def patchify(x: torch.Tensor, conv: nn.Conv3d) -> torch.Tensor:
+    """[B, C, D, H, W] -> [B, N, dim]: `conv` (kernel = stride, no overlap) as one matmul over
+    the tubelets laid out as rows, tokens in the grid's order. The same numbers as the
+    convolution, cheaper to differentiate on a CPU (oneDNN's convolution backward was most of
+    a learning-check step's patchify, docs/measurements.md); the weights keep the Conv3d layout."""
+    b, c, d, h, w = x.shape
+    kd, kh, kw = conv.kernel_size
+    rows = x.reshape(b, c, d // kd, kd, h // kh, kh, w // kw, kw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return F.linear(rows.reshape(b, (d // kd) * (h // kh) * (w // kw), c * kd * kh * kw),
+                    conv.weight.reshape(conv.weight.shape[0], -1), conv.bias)
+
+
 def patch_kernel(tubelet, stem) -> tuple[int, int, int]:
     """The patchify's kernel after the stem's strides: the tubelet, divided."""
     k = [t // s ** len(stem) for t, s in zip(tubelet, STEM_STRIDE)]
@@ -163,10 +175,11 @@ class Encoder(nn.Module):
         `model.stem_pool: max`) a projection of each channel's peak inside the tubelet, which
         reads alike wherever in the tubelet a small lesion falls."""
         s = self.stem(x)
-        t = self.patch(s)
+        t = patchify(s, self.patch)
         if self.peak is not None:
-            t = t + self.peak(F.max_pool3d(s, self.patch.kernel_size))
-        return t.flatten(2).transpose(1, 2) + self.pos
+            peaks = F.max_pool3d(s, self.patch.kernel_size).flatten(2).transpose(1, 2)  # [B, N, C]
+            t = t + F.linear(peaks, self.peak.weight.flatten(1), self.peak.bias)
+        return t + self.pos
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         return self.transform(self.tokenize(x), idx, valid)
