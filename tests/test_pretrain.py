@@ -91,15 +91,16 @@ def test_non_finite_loss_skips_the_update(tiny_cache, tmp_path):
     assert torch.isfinite(loss) and int(tr.skipped) == 1
 
 
-@pytest.mark.parametrize("select", [False, True])
-def test_guarded_step_is_exact_on_both_paths(select):
-    """Both paths of the guard (CPU's branch, the accelerators' copy and select, here run on
-    CPU): an accepted step equals a bare AdamW step, a refused one (NaN gradients) leaves the
-    weights, both moments and the step count bit-identical, the first update included."""
+@pytest.mark.parametrize("path", pretrain.GUARD_PATHS)
+def test_guarded_step_is_exact_on_every_path(path):
+    """Every path of the guard (fused AdamW's found_inf as CPU and CUDA run it, the host branch,
+    XLA's copy and select, here on CPU): an accepted step equals a bare AdamW step, a refused one
+    (NaN gradients) leaves the weights, both moments and the step count bit-identical, the first
+    update included."""
     def fresh():
         torch.manual_seed(0)
         m = torch.nn.Linear(8, 4)
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=path == "found_inf")
 
     def grads(m, value=None):
         for p in m.parameters():
@@ -108,18 +109,18 @@ def test_guarded_step_is_exact_on_both_paths(select):
     ref, ref_opt = fresh()
     m, opt = fresh()
     grads(m, float("nan"))
-    pretrain.guarded_step(opt, torch.tensor(False), select=select)        # a refused first update
+    pretrain.guarded_step(opt, torch.tensor(False), path)        # a refused first update
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
     assert all(not {k: v for k, v in opt.state[p].items() if torch.is_tensor(v) and v.abs().sum() > 0}
                for p in m.parameters())
     for _ in range(2):                                                    # accepted: as a bare step
         grads(m), grads(ref)
-        pretrain.guarded_step(opt, torch.tensor(True), select=select)
+        pretrain.guarded_step(opt, torch.tensor(True), path)
         ref_opt.step()
     state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()}
     weights = [p.detach().clone() for p in m.parameters()]
     grads(m, float("nan"))
-    pretrain.guarded_step(opt, torch.tensor(False), select=select)        # refused: nothing moves
+    pretrain.guarded_step(opt, torch.tensor(False), path)        # refused: nothing moves
     for p, w, r in zip(m.parameters(), weights, ref.parameters()):
         assert torch.equal(p, w) and torch.equal(p, r)
         for k, v in opt.state[p].items():

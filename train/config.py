@@ -132,6 +132,7 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     precision: Literal["fp32", "bf16"] = "bf16"
+    compile: bool = False                     # torch.compile the student and target (cpu, cuda; XLA compiles anyway)
     batch_size: int = 8                       # per process (per host on XLA SPMD)
     max_steps: int = 10000                    # optimizer updates
     log_every: int = 10
