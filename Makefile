@@ -48,7 +48,7 @@ help:
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo "make test-heavy      the heavy lane: kill -9 faults, a store going away, thousands of volumes"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
-	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md"
+	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make learning-check  [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
@@ -70,7 +70,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 # The demo cohort: the lesion generator with its per-eye confounders, plus an easy class cue (inner
