@@ -4,7 +4,7 @@ Everything is stored as tensors and plain Python data (RNG states included), so 
 loader accepts it and a checkpoint with a pickled object is refused.
 
 A save writes one file, step_<N>.pt, and then the pointer latest.txt naming it: the path
-`<ckpt_dir>/latest.pt` that users pass resolves through the pointer (`resolve`), so the
+`<ckpt_dir>/latest.pt` that users pass resolves through the pointer (`resolve_latest`), so the
 newest state is on disk once, not twice. Folders saved before the pointer hold a real
 latest.pt (a full copy), which still loads.
 """
@@ -15,6 +15,7 @@ import pickle
 import posixpath
 import random
 import re
+import threading
 import zipfile
 
 import numpy as np
@@ -46,7 +47,7 @@ def step_uri(ckpt_dir: str, step: int) -> str:
     return fsio.join(ckpt_dir, f"step_{step:07d}.pt")
 
 
-def resolve(uri: str) -> str:
+def resolve_latest(uri: str) -> str:
     """The file a checkpoint path names: `<dir>/latest.pt`, when no such file exists, is the
     step file that `<dir>/latest.txt` names (what save writes); any other path is itself.
     Every reader goes through here, so latest.pt works wherever a checkpoint is accepted."""
@@ -78,7 +79,7 @@ def identity(uri: str) -> dict:
     """Name, size and modification time (or object generation): a checkpoint re-saved at the
     same step (a resumed run) reads as new; one moved or copied with its times does not.
     latest.pt is identified as the step file it resolves to."""
-    fs, path = fsio.filesystem(resolve(uri))
+    fs, path = fsio.filesystem(resolve_latest(uri))
     info = fs.info(path)
     modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
     return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
@@ -114,7 +115,7 @@ def point_latest(ckpt_dir: str, path: str) -> None:
 def prune(ckpt_dir: str, keep_last: int) -> None:
     """Delete all but the keep_last highest step files, never the one latest points to (a run
     resumed from an older checkpoint saves below the highest step on disk)."""
-    pointed = posixpath.basename(resolve(fsio.join(ckpt_dir, LATEST)))
+    pointed = posixpath.basename(resolve_latest(fsio.join(ckpt_dir, LATEST)))
     for old in list_steps(ckpt_dir)[:-keep_last]:
         uri = step_uri(ckpt_dir, old)
         if posixpath.basename(uri) != pointed:
@@ -130,15 +131,15 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 
 def load(uri: str, map_location="cpu") -> dict:
-    """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve`)."""
-    data = fsio.read_bytes(resolve(uri))
+    """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
+    data = fsio.read_bytes(resolve_latest(uri))
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def is_whole(uri: str) -> bool:
     """A torch checkpoint is a ZIP whose directory sits at the end: a file cut short has lost
     it. Reads only the tail, so commands that load a checkpoint later can pick one cheaply."""
-    fs, path = fsio.filesystem(resolve(uri))
+    fs, path = fsio.filesystem(resolve_latest(uri))
     try:
         with fs.open(path, "rb") as f, zipfile.ZipFile(f):
             return True
@@ -177,3 +178,47 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
     return None
 
 
+
+class Writer:
+    """Saves on a thread of its own, one at a time, so training goes on while a state (about
+    1.5 GB at ViT-B) is encoded and written. The state handed over must be a copy training
+    cannot change (train/pretrain.py to_cpu). A write's error is raised, naming its file, by the
+    next submit, poll or wait; `done(path)` runs on the caller's thread once the file exists."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._path, self._done, self._error = None, None, None
+
+    def submit(self, state: dict, ckpt_dir: str, step: int, keep_last: int | None = None, done=None) -> str:
+        """Wait for the write in flight, then start `save` of this state; the path it writes."""
+        self.wait()
+        self._path, self._done, self._error = step_uri(ckpt_dir, step), done, None
+
+        def work() -> None:
+            try:
+                save(state, ckpt_dir, step, keep_last)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread by wait
+                self._error = exc
+
+        self._thread = threading.Thread(target=work, name="octfm-checkpoint")  # not a daemon: exit waits for it
+        self._thread.start()
+        return self._path
+
+    def poll(self) -> None:
+        """Finish a write that has ended (its error raised, `done` called); never blocks."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> str | None:
+        """Block until the write in flight is down; its path, or None when there was none."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        path, done, error = self._path, self._done, self._error
+        self._thread, self._path, self._done, self._error = None, None, None, None
+        if error is not None:
+            raise RuntimeError(f"checkpoint {path}: the background write failed: "
+                               f"{type(error).__name__}: {error}") from error
+        if done is not None:
+            done(path)
+        return path
