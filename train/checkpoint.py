@@ -178,7 +178,6 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
     return None
 
 
-
 class Writer:
     """Saves on a thread of its own, one at a time, so training goes on while a state (about
     1.5 GB at ViT-B) is encoded and written. The state handed over must be a copy training

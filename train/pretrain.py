@@ -256,10 +256,12 @@ class Trainer:
 
     def save(self, on_saved=None) -> str | None:
         """Snapshot the state now (state() copies every tensor) and write it in the background
-        (checkpoint.Writer) while training goes on; a save first waits for the one before it.
-        Returns the path the file will have (rank 0); `on_saved(path)` runs once it exists."""
+        (checkpoint.Writer) while training goes on. The write before it is waited for first, so
+        at most one snapshot is held. Returns the path the file will have (rank 0);
+        `on_saved(path)` runs once it exists."""
         if not self.rt.is_master:
             return None
+        self.writer.wait()
         return self.writer.submit(self.state(), self.ckpt_dir, self.step, self.cfg.keep_last, done=on_saved)
 
     # ------------------------------------------------------------ data
