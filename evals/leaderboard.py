@@ -3,8 +3,8 @@
 A `make finetune` run folder among them contributes its report (best val epoch, on test) as is.
 
 The self-supervised loss says little about representation quality, so checkpoints are
-chosen by downstream score. Every step_<N>.pt of each run (latest.pt is a copy of the newest
-and is skipped) goes through the same per-checkpoint probe as `make probe`, features
+chosen by downstream score. Every step_<N>.pt of each run (latest.pt names the newest, so
+it is not probed again) goes through the same per-checkpoint probe as `make probe`, features
 extracted once per checkpoint and kept. Each checkpoint's result is stored as
 <run>/probe/leaderboard/step_<N>.json with the checkpoint's identity (name, size, modification
 time), the probe settings and a fingerprint of the labelled cache rows: a re-run probes only

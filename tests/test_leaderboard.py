@@ -31,7 +31,7 @@ def fast_cfg() -> ProbeConfig:
 @pytest.fixture(scope="module")
 def run_a(signal_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("leaderboard")
-    pretrain(signal_cache, root, max_steps=4)          # step_0000002.pt, step_0000004.pt (+ latest.pt)
+    pretrain(signal_cache, root, max_steps=4)          # step_0000002.pt, step_0000004.pt (+ latest.txt)
     return root
 
 
@@ -66,7 +66,7 @@ def test_every_checkpoint_is_probed_once_and_tabled(run_a, signal_cache):
         assert row["pretrain_loss"] == pytest.approx(train_m[row["step"]]["loss"])
         assert row["pretrain_rankme"] == pytest.approx(train_m[row["step"]]["rankme"])
     stored = sorted(p.name for p in (run / "probe" / "leaderboard").glob("*.json"))
-    assert stored == [f"step_{s:07d}.json" for s in (2, 4, 6)]  # latest.pt (a copy of step 6) is not probed again
+    assert stored == [f"step_{s:07d}.json" for s in (2, 4, 6)]  # latest.pt (step 6 through the pointer) is not probed again
 
     on_disk = pd.read_parquet(run / "leaderboard.parquet")
     assert len(on_disk) == 6 and on_disk["best"].sum() == 2

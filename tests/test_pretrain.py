@@ -310,9 +310,9 @@ def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_r
 
 
 def test_resume_prefers_the_newest_step_file_over_a_stale_latest(tmp_path):
-    """A kill between writing step_<N>.pt and latest.pt must not lose step N."""
+    """A kill between writing step_<N>.pt and pointing latest at it must not lose step N."""
     checkpoint.save({"step": 3}, str(tmp_path), 3)
-    (tmp_path / "step_0000006.pt").write_bytes((tmp_path / "latest.pt").read_bytes())
+    (tmp_path / "step_0000006.pt").write_bytes((tmp_path / "step_0000003.pt").read_bytes())
     assert checkpoint.newest_whole(str(tmp_path)).endswith("step_0000006.pt")
     uri, state = checkpoint.load_newest_good(str(tmp_path))
     assert uri.endswith("step_0000006.pt") and state["step"] == 3

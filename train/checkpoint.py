@@ -2,6 +2,11 @@
 
 Everything is stored as tensors and plain Python data (RNG states included), so the safe
 loader accepts it and a checkpoint with a pickled object is refused.
+
+A save writes one file, step_<N>.pt, and then the pointer latest.txt naming it: the path
+`<ckpt_dir>/latest.pt` that users pass resolves through the pointer (`resolve_latest`), so the
+newest state is on disk once, not twice. Folders saved before the pointer hold a real
+latest.pt (a full copy), which still loads.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import pickle
 import posixpath
 import random
 import re
+import threading
 import zipfile
 
 import numpy as np
@@ -18,6 +24,8 @@ import torch
 from octfm import fsio
 
 STEP_RE = re.compile(r"step_(\d+)\.pt$")
+LATEST = "latest.pt"    # the name users pass for a run's newest checkpoint
+POINTER = "latest.txt"  # what save writes instead of a copy: the newest step file's name
 
 
 def rng_state() -> dict:
@@ -39,46 +47,80 @@ def step_uri(ckpt_dir: str, step: int) -> str:
     return fsio.join(ckpt_dir, f"step_{step:07d}.pt")
 
 
+def resolve_latest(uri: str) -> str:
+    """The file a checkpoint path names: `<dir>/latest.pt`, when no such file exists, is the
+    step file that `<dir>/latest.txt` names (what save writes); any other path is itself.
+    Every reader goes through here, so latest.pt works wherever a checkpoint is accepted."""
+    uri = str(uri)
+    if posixpath.basename(uri) != LATEST or fsio.exists(uri):
+        return uri
+    folder = posixpath.dirname(uri)
+    pointer = fsio.join(folder, POINTER)
+    try:
+        name = fsio.read_text(pointer).strip()
+    except FileNotFoundError:
+        return uri  # neither: the reader says latest.pt is missing
+    if not STEP_RE.fullmatch(name):
+        raise ValueError(f"{pointer}: names {name!r}, not a step_<N>.pt file of its folder")
+    return fsio.join(folder, name)
+
+
 def candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoints to resume or probe from, newest first: every step_<N>.pt, then latest.pt
-    (a kill between the two writes must not lose step N)."""
+    """Checkpoints to resume or probe from, newest first: every step_<N>.pt, then a real
+    latest.pt of a folder saved before the pointer (a kill between the two writes of those
+    saves must not lose step N). The pointer names a step file already listed."""
     out = [step_uri(ckpt_dir, s) for s in reversed(list_steps(ckpt_dir))]
-    if fsio.exists(fsio.join(ckpt_dir, "latest.pt")):
-        out.append(fsio.join(ckpt_dir, "latest.pt"))
+    if fsio.exists(fsio.join(ckpt_dir, LATEST)):
+        out.append(fsio.join(ckpt_dir, LATEST))
     return out
 
 
 def identity(uri: str) -> dict:
     """Name, size and modification time (or object generation): a checkpoint re-saved at the
-    same step (a resumed run) reads as new; one moved or copied with its times does not."""
-    fs, path = fsio.filesystem(uri)
+    same step (a resumed run) reads as new; one moved or copied with its times does not.
+    latest.pt is identified as the step file it resolves to."""
+    fs, path = fsio.filesystem(resolve_latest(uri))
     info = fs.info(path)
     modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
     return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
 
 
-def encode(state: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
 def write(state: dict, uri: str) -> None:
-    """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt)."""
-    fsio.atomic_write_bytes(uri, encode(state))
+    """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt). Encoded
+    straight into the file: no second copy of the state in memory."""
+    with fsio.atomic_writer(uri) as f:
+        torch.save(state, f)
 
 
 def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
-    """Write step_<N>.pt then latest.pt, each atomically; prune beyond keep_last."""
-    data = encode(state)
+    """Write step_<N>.pt atomically, then point latest at it; prune beyond keep_last."""
     path = step_uri(ckpt_dir, step)
-    fsio.atomic_write_bytes(path, data)
-    fsio.atomic_write_bytes(fsio.join(ckpt_dir, "latest.pt"), data)
+    write(state, path)
+    point_latest(ckpt_dir, path)
     if keep_last:
-        for old in list_steps(ckpt_dir)[:-keep_last]:
-            fs, p = fsio.filesystem(step_uri(ckpt_dir, old))
-            fs.rm(p)
+        prune(ckpt_dir, keep_last)
     return path
+
+
+def point_latest(ckpt_dir: str, path: str) -> None:
+    """latest.txt names `path`, atomically. A real latest.pt (a copy left by saves before the
+    pointer) is removed first, or it would go on answering for latest.pt."""
+    legacy = fsio.join(ckpt_dir, LATEST)
+    if fsio.exists(legacy):
+        fs, p = fsio.filesystem(legacy)
+        fs.rm(p)
+    fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), f"{posixpath.basename(path)}\n".encode())
+
+
+def prune(ckpt_dir: str, keep_last: int) -> None:
+    """Delete all but the keep_last highest step files, never the one latest points to (a run
+    resumed from an older checkpoint saves below the highest step on disk)."""
+    pointed = posixpath.basename(resolve_latest(fsio.join(ckpt_dir, LATEST)))
+    for old in list_steps(ckpt_dir)[:-keep_last]:
+        uri = step_uri(ckpt_dir, old)
+        if posixpath.basename(uri) != pointed:
+            fs, p = fsio.filesystem(uri)
+            fs.rm(p)
 
 
 def list_steps(ckpt_dir: str) -> list[int]:
@@ -89,15 +131,15 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 
 def load(uri: str, map_location="cpu") -> dict:
-    """torch.load with weights_only=True: tensors and plain data only."""
-    data = fsio.read_bytes(uri)
+    """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
+    data = fsio.read_bytes(resolve_latest(uri))
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def is_whole(uri: str) -> bool:
     """A torch checkpoint is a ZIP whose directory sits at the end: a file cut short has lost
     it. Reads only the tail, so commands that load a checkpoint later can pick one cheaply."""
-    fs, path = fsio.filesystem(uri)
+    fs, path = fsio.filesystem(resolve_latest(uri))
     try:
         with fs.open(path, "rb") as f, zipfile.ZipFile(f):
             return True
@@ -106,8 +148,8 @@ def is_whole(uri: str) -> bool:
 
 
 def newest_whole(ckpt_dir: str, warn=print) -> str | None:
-    """The newest step_<N>.pt that is whole (else latest.pt when whole), warning about the
-    ones skipped; None when there is none."""
+    """The newest step_<N>.pt that is whole (else a real latest.pt when whole), warning about
+    the ones skipped; None when there is none."""
     for uri in candidates(ckpt_dir):
         if is_whole(uri):
             return uri
@@ -116,7 +158,7 @@ def newest_whole(ckpt_dir: str, warn=print) -> str | None:
 
 
 def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:
-    """The newest checkpoint that reads back whole, newest step first, then latest.pt.
+    """The newest checkpoint that reads back whole, newest step first, then a real latest.pt.
 
     A file cut short (a crash mid-copy, a full disk under another writer) is skipped with a
     warning naming it. A refused pickle is not skipped: that is an error, not wear.
@@ -135,3 +177,47 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
                            "move them aside to start over, or pass CKPT=...")
     return None
 
+
+class Writer:
+    """Saves on a thread of its own, one at a time, so training goes on while a state (about
+    1.5 GB at ViT-B) is encoded and written. The state handed over must be a copy training
+    cannot change (train/pretrain.py to_cpu). A write's error is raised, naming its file, by the
+    next submit, poll or wait; `done(path)` runs on the caller's thread once the file exists."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._path, self._done, self._error = None, None, None
+
+    def submit(self, state: dict, ckpt_dir: str, step: int, keep_last: int | None = None, done=None) -> str:
+        """Wait for the write in flight, then start `save` of this state; the path it writes."""
+        self.wait()
+        self._path, self._done, self._error = step_uri(ckpt_dir, step), done, None
+
+        def work() -> None:
+            try:
+                save(state, ckpt_dir, step, keep_last)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread by wait
+                self._error = exc
+
+        self._thread = threading.Thread(target=work, name="octfm-checkpoint")  # not a daemon: exit waits for it
+        self._thread.start()
+        return self._path
+
+    def poll(self) -> None:
+        """Finish a write that has ended (its error raised, `done` called); never blocks."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> str | None:
+        """Block until the write in flight is down; its path, or None when there was none."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        path, done, error = self._path, self._done, self._error
+        self._thread, self._path, self._done, self._error = None, None, None, None
+        if error is not None:
+            raise RuntimeError(f"checkpoint {path}: the background write failed: "
+                               f"{type(error).__name__}: {error}") from error
+        if done is not None:
+            done(path)
+        return path

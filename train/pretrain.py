@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import time
 from pathlib import Path
@@ -85,9 +86,11 @@ def set_scalar(t: torch.Tensor, value: float) -> None:
 
 
 def to_cpu(obj):
-    """A state dict tree with every tensor on the CPU (checkpoints load on any device)."""
+    """A state dict tree with every tensor copied to the CPU (checkpoints load on any device).
+    Always a copy, a CPU tensor too (.cpu() would return that very tensor): a checkpoint is
+    written in the background while training changes its tensors in place."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -206,6 +209,7 @@ class Trainer:
         self.consumed = 0  # batches drawn per process: the data position
         self._val = None   # (val row count, loader), built at the first validation
         self._probe = None  # the online probe, built at its first use
+        self.writer = checkpoint.Writer()  # rank 0's checkpoint writes, in the background
         self.resumed_from = self._maybe_resume(ckpt)
 
     # ------------------------------------------------------------ checkpoints
@@ -278,12 +282,15 @@ class Trainer:
                       f"schedules keep their horizon {horizon}")
         return horizon
 
-    def save(self) -> str | None:
-        path = None
-        if self.rt.is_master:
-            path = checkpoint.save(self.state(), self.ckpt_dir, self.step, self.cfg.keep_last)
-        self.rt.barrier()
-        return path
+    def save(self, on_saved=None) -> str | None:
+        """Snapshot the state now (state() copies every tensor) and write it in the background
+        (checkpoint.Writer) while training goes on. The write before it is waited for first, so
+        at most one snapshot is held. Returns the path the file will have (rank 0);
+        `on_saved(path)` runs once it exists."""
+        if not self.rt.is_master:
+            return None
+        self.writer.wait()
+        return self.writer.submit(self.state(), self.ckpt_dir, self.step, self.cfg.keep_last, done=on_saved)
 
     # ------------------------------------------------------------ data
     def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None):
@@ -341,6 +348,8 @@ class Trainer:
         n = int(self.skip_run)
         if not limit or n < limit:
             return
+        self.writer.wait()  # the save in flight is whole before the newest is named
+        self.rt.barrier()
         newest = checkpoint.newest_whole(self.ckpt_dir, warn=lambda _: None)
         raise cli.JobAborted(
             f"update guard: the last {n} updates up to step {self.step} were all skipped "
@@ -383,8 +392,11 @@ class Trainer:
         try:
             return self._loop(log, bar)
         finally:
-            bar.close()
-            log.close()
+            try:
+                self.writer.wait()  # an error exit too: the write in flight finishes, or says why not
+            finally:
+                bar.close()
+                log.close()
 
     def online_probe(self, log: metrics.MetricsLog, postfix: dict) -> None:
         """Score the EMA target encoder (every process computes it, so XLA SPMD hosts run the
@@ -429,6 +441,7 @@ class Trainer:
             self.consumed += accum
             samples += cfg.batch_size * accum * rt.world
             bar.update(1)
+            self.writer.poll()  # a finished write: W&B hears of it, or its error stops the run
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                 now = time.perf_counter()
                 dt = now - t_last
@@ -458,9 +471,11 @@ class Trainer:
                 self.online_probe(log, postfix)
                 bar.set_postfix(postfix, refresh=False)
             if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
-                log.log_checkpoint(self.save(), self.step)
+                self.save(on_saved=functools.partial(log.log_checkpoint, step=self.step))
             if any(every and self.step % every == 0 for every in (cfg.ckpt_every, cfg.val_every, cfg.eval_every)):
                 t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
+        self.writer.wait()  # the last checkpoint is down before the run says it is done,
+        rt.barrier()        # and no process leaves before it is
         return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
                 "skipped_updates": int(self.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
 

@@ -1,0 +1,142 @@
+"""Checkpoints (issue 27): `latest` is a pointer to the newest step file, never a second full
+copy, and the trainer's saves are written in the background from a snapshot training cannot
+change, one at a time, with any write error surfacing at the next save or the run's end."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from conftest import same_optimizer, same_weights, tiny_train_args
+
+from octfm import cli, config, fsio
+from train import checkpoint, pretrain, runtime
+from train.config import TrainConfig
+
+SMOKE = "configs/pretrain_smoke.yaml"
+
+
+def state(step: int) -> dict:
+    return {"step": step, "w": torch.full((64, 1024), float(step))}  # 256 KiB of weights
+
+
+def files(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_save_writes_one_step_file_and_a_pointer_not_a_second_copy(tmp_path):
+    path = checkpoint.save(state(3), str(tmp_path), 3)
+    one = (tmp_path / "step_0000003.pt").stat().st_size
+    on_disk = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert on_disk < 1.5 * one, files(tmp_path)
+    assert files(tmp_path) == ["latest.txt", "step_0000003.pt"] and path == str(tmp_path / "step_0000003.pt")
+
+
+def test_latest_pt_names_the_newest_step_file_for_every_reader(tmp_path):
+    checkpoint.save(state(2), str(tmp_path), 2)
+    checkpoint.save(state(4), str(tmp_path), 4)
+    latest = str(tmp_path / "latest.pt")
+    assert checkpoint.resolve_latest(latest) == str(tmp_path / "step_0000004.pt")
+    assert checkpoint.load(latest)["step"] == 4 and checkpoint.is_whole(latest)
+    assert checkpoint.identity(latest) == checkpoint.identity(str(tmp_path / "step_0000004.pt"))
+    assert checkpoint.candidates(str(tmp_path)) == [checkpoint.step_uri(str(tmp_path), s) for s in (4, 2)]
+    uri, st = checkpoint.load_newest_good(str(tmp_path))
+    assert uri.endswith("step_0000004.pt") and st["step"] == 4
+
+
+def test_an_old_run_folder_with_a_real_latest_pt_keeps_loading_then_points(tmp_path):
+    checkpoint.write(state(2), str(tmp_path / "step_0000002.pt"))  # as saves before the pointer left it
+    checkpoint.write(state(2), str(tmp_path / "latest.pt"))
+    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 2
+    checkpoint.save(state(4), str(tmp_path), 4)  # the run resumed under the pointer
+    assert files(tmp_path) == ["latest.txt", "step_0000002.pt", "step_0000004.pt"]
+    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 4
+
+
+def test_pruning_never_deletes_the_step_file_latest_points_to(tmp_path):
+    """A run resumed from an older checkpoint (CKPT=...) saves below the highest step on disk."""
+    checkpoint.save(state(8), str(tmp_path), 8)
+    checkpoint.save(state(6), str(tmp_path), 6, keep_last=1)
+    assert (tmp_path / "step_0000006.pt").exists(), files(tmp_path)
+    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 6
+
+
+def tiny(cache, tmp_path, **extra) -> pretrain.Trainer:
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, tmp_path / "runs", **{"max_steps": 2, **extra}))
+    tr = pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
+    tr.run_dir.mkdir(parents=True)
+    return tr
+
+
+@pytest.fixture
+def trainer(tiny_cache, tmp_path):
+    return tiny(tiny_cache, tmp_path, ckpt_every=2)
+
+
+def held_saves(monkeypatch, seconds: float = 5.0) -> threading.Event:
+    """checkpoint.save held until the returned event is set (at most `seconds`): a slow disk."""
+    release, real = threading.Event(), checkpoint.save
+
+    def slow(*args, **kw):
+        release.wait(timeout=seconds)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(checkpoint, "save", slow)
+    return release
+
+
+def test_a_save_returns_before_the_write_with_a_snapshot_training_cannot_change(trainer, monkeypatch):
+    tr = trainer
+    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+    tr.update([next(iter(dl))], tr.model)  # AdamW moments exist
+    tr.step = 1
+    expected = copy.deepcopy(tr.state())
+    release = held_saves(monkeypatch)
+    path = tr.save()
+    assert not fsio.exists(path), "save waited for the write"
+    with torch.no_grad():  # training goes on while the file is written
+        for p in [*tr.model.parameters(), *tr.target.parameters()]:
+            p.add_(1.0)
+        for st in tr.opt.state.values():
+            st["exp_avg"].add_(1.0)
+        tr.loss_mean.fill_(123.0)
+    release.set()
+    assert tr.writer.wait() == path
+    saved = checkpoint.load(path)
+    assert saved["step"] == 1 and same_weights(saved, expected) and same_optimizer(saved, expected)
+    assert torch.equal(saved["loss_mean"], expected["loss_mean"])
+
+
+def test_a_failed_background_write_surfaces_at_the_next_save_naming_the_file(trainer, tmp_path):
+    tr = trainer
+    (tmp_path / "blocker").write_text("")  # a file where the checkpoint folder should be
+    tr.ckpt_dir = str(tmp_path / "blocker" / "checkpoints")
+    tr.step = 1
+    first = tr.save()
+    tr.step = 2
+    with pytest.raises(RuntimeError, match=f"checkpoint {first}"):
+        tr.save()
+
+
+def test_the_run_waits_for_its_last_write_and_raises_its_error(trainer, tmp_path):
+    tr = trainer
+    (tmp_path / "blocker").write_text("")
+    tr.ckpt_dir = str(tmp_path / "blocker" / "checkpoints")
+    with pytest.raises(RuntimeError, match="step_0000002.pt"):
+        tr.run(progress=False)
+
+
+def test_a_run_stopped_by_an_error_still_finishes_its_pending_write(tiny_cache, tmp_path, monkeypatch):
+    """Guards the background path (the synchronous save passed it by construction)."""
+    tr = tiny(tiny_cache, tmp_path, ckpt_every=1)
+    held_saves(monkeypatch, seconds=1.0)  # the write of step 1 is still going when step 2 fails
+
+    def stop():
+        if tr.step == 2:
+            raise cli.JobAborted("stopped after the save of step 2")
+
+    monkeypatch.setattr(tr, "check_lockout", stop)
+    with pytest.raises(cli.JobAborted):
+        tr.run(progress=False)
+    assert checkpoint.list_steps(tr.ckpt_dir) == [1], "the pending write was waited for"
