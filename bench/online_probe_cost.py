@@ -3,7 +3,7 @@
     python -m bench.online_probe_cost --cache <cache> [--vitb] [key=value ...]
 
 Step time: Trainer.update on real batches (the guarded step included). Guard: guarded_step
-(a branch on CPU) and its accelerator path (copy and select, timed here on CPU) against a bare
+(fused AdamW's found_inf on CPU) and XLA's path (copy and select, timed here on CPU) against a bare
 opt.step() on the same gradients. Probe: one
 OnlineProbe call (encode max_train + max_val rows, score), as a fraction of eval_every steps.
 """
@@ -44,7 +44,7 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     ok = tr.loss_mean.new_ones((), dtype=bool)
     plain_s = timed(lambda: grads_then(tr.opt.step), steps)
     guarded_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok)), steps)
-    select_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok, select=True)), steps)
+    select_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok, "select")), steps)
     probe = online_probe.OnlineProbe(cfg, tr.rt.device)
     probe(tr.target, 0)  # warm up (first reads)
     rec = probe(tr.target, 0)
