@@ -18,7 +18,7 @@ from cache import store
 from evals.probe_heads import load_classifier
 from train import checkpoint, runtime
 
-QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0"]
+QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_random_init_is_the_same_architecture_from_scratch(pretrained, tmp_path)
 
 
 def test_the_best_epoch_exports_with_its_head(pretrained, tmp_path):
-    ft = _finetuner(_cfg(pretrained, tmp_path / "ft", epochs=1))
+    ft = _finetuner(_cfg(pretrained, tmp_path / "ft", epochs=1, head="attentive"))  # the head with more to export
     ft.run(progress=False)  # leaves the best epoch's weights in the model
     folder = tmp_path / "model"
     r = run_cli("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
@@ -173,7 +173,7 @@ def test_two_process_finetune_under_torchrun(pretrained, tmp_path):
     out = tmp_path / "ddp"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(free_port()), "-m", "evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}",
-                        "epochs=2", "frozen_epochs=1", *QUICK], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        *QUICK, "epochs=2", "frozen_epochs=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "on cpu x2" in r.stdout
     m = json.loads((out / "diabetic" / "metrics.json").read_text())

@@ -57,7 +57,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
-            *(x for kv in ("epochs=1", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
+            *(x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
     again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
