@@ -36,7 +36,7 @@ from evals import probe_metrics as pm
 from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
-from train import checkpoint, data, encoder, metrics, runtime
+from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
 from train.pretrain import decays, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
@@ -127,12 +127,10 @@ def layer_groups(model: Classifier, cfg: FinetuneConfig) -> list[dict]:
     return list(groups.values())
 
 
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine from 1 to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * t))
+def lr_factor(step, total: int, warmup: int):
+    """Linear warmup over `warmup` steps (the first step at 1/warmup), then cosine from 1 to 0 at
+    `total`; `step` an int or a device tensor (schedule.warmup_cosine)."""
+    return schedule.warmup_cosine(step, total, warmup, start=0.0, peak=1.0, final=0.0, offset=1)
 
 
 def run_dir(cfg: FinetuneConfig) -> Path:
@@ -307,6 +305,8 @@ class Finetuner:
         per_epoch, dl = self.loader(self.epoch)
         total, warmup = cfg.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
         it = iter(rt.loader(dl))
+        clock = torch.zeros((), device=rt.device)  # the step the schedule reads, kept on the device
+        set_scalar(clock, self.step)
         bar = tqdm(total=total, initial=self.step, desc=f"finetune {cfg.task} ({cfg.init})", unit="step",
                    disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
         try:
@@ -319,15 +319,16 @@ class Finetuner:
                 torch.manual_seed(cfg.seed * 1000003 + self.epoch)  # stochastic depth: the same on a resume
                 losses = []
                 for _ in range(per_epoch):
-                    f = lr_factor(self.step, total, warmup)
+                    f = lr_factor(clock, total, warmup)  # on the device: no host copy per step
                     for g, lr in zip(self.groups, self.lrs):
-                        set_scalar(lr, g["peak_lr"] * f)
+                        lr.copy_(g["peak_lr"] * f)
+                    clock.add_(1)
                     losses.append(self.update(net, rt.to_device(next(it))))
                     rt.sync()
                     self.step += 1
                     bar.update(1)
                     if self.step % cfg.log_every == 0:
-                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": f})
+                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": float(f)})
                 self.epoch += 1
                 v = self.validate()
                 v["loss"] = float(torch.stack(losses).mean())

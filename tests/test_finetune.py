@@ -103,6 +103,9 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
         assert all(a is b for a, b in zip(og["params"], g["params"])) and og["weight_decay"] == g["weight_decay"]
     # linear warmup, then cosine from 1 to 0
     assert [finetune.lr_factor(s, 110, 10) for s in (0, 9, 60, 110)] == pytest.approx([0.1, 1.0, 0.5, 0.0])
+    # the loop computes it on the device from a step tensor: the same values
+    assert [float(finetune.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
+        pytest.approx([0.1, 1.0, 0.5, 0.0], abs=1e-6)
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
 
 

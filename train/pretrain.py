@@ -198,6 +198,7 @@ class Trainer:
         self.horizon = cfg.max_steps  # the step the schedules end at: a resume keeps the checkpoint's
         self.lr = torch.tensor(schedule.learning_rate(0, self.horizon, cfg.optim), device=rt.device)
         self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
+        self.clock = torch.zeros((), device=rt.device)  # self.step on the device, which the schedules read
         self.opt = build_optimizer(self.model, cfg, rt, self.lr)
         self.loss_mean = torch.full((), float("inf"), device=rt.device)  # no spike test before a first loss
         self.skipped = torch.zeros((), device=rt.device)
@@ -340,6 +341,14 @@ class Trainer:
         self.skip_run.copy_((self.skip_run + 1.0) * skipped)
         return loss, grad_norm, targets
 
+    @torch.no_grad()
+    def advance_schedules(self) -> None:
+        """Write this step's learning rate and EMA momentum from the device step clock, then
+        advance it: device ops only, no host copy or sync, one XLA graph for every step."""
+        self.lr.copy_(schedule.learning_rate(self.clock, self.horizon, self.cfg.optim))
+        self.momentum.copy_(schedule.ema_momentum(self.clock, self.horizon, self.cfg.optim))
+        self.clock.add_(1)
+
     def check_lockout(self) -> None:
         """Stop (exit 1) after optim.max_consecutive_skips skipped updates in a row. The running
         mean moves only on accepted steps and skipped steps leave the weights as they were, so
@@ -427,9 +436,9 @@ class Trainer:
             self.online_probe(log, postfix)  # the random-init floor of every probe curve
             bar.set_postfix(postfix, refresh=False)
         t_last, wait, samples = time.perf_counter(), 0.0, 0
+        set_scalar(self.clock, self.step)  # once per loop (a resume starts mid-schedule); then on the device
         while self.step < cfg.max_steps:
-            set_scalar(self.lr, schedule.learning_rate(self.step, self.horizon, cfg.optim))
-            set_scalar(self.momentum, schedule.ema_momentum(self.step, self.horizon, cfg.optim))
+            self.advance_schedules()
             batches = []
             for _ in range(accum):
                 tw = time.perf_counter()
