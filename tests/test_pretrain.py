@@ -71,6 +71,21 @@ def test_lr_schedule_warms_up_then_decays_monotonically_and_never_restarts():
     assert all(a <= b for a, b in zip(m, m[1:])) and m[-1] == cfg.ema[1]
 
 
+def test_schedules_on_a_device_step_match_the_host_values():
+    """The trainer computes both schedules from a float32 step tensor (no host copy per step):
+    the same values as the host functions at every step, warmup, cosine and the held tail."""
+    cfg = OptimConfig(lr=1e-3, start_lr=1e-5, final_lr=1e-6, warmup_steps=37, ema=(0.99, 1.0))
+    total = 500
+    steps = torch.arange(total + 50, dtype=torch.float32)
+    for fn in (schedule.learning_rate, schedule.ema_momentum):
+        host = torch.tensor([fn(s, total, cfg) for s in range(total + 50)], dtype=torch.float64)
+        dev = torch.stack([fn(t, total, cfg) for t in steps]).double()
+        # float32 rounding: within 1e-6 of the value and 1e-6 of the peak (the cosine's 1 + cos(pi t) near its end)
+        assert torch.allclose(dev, host, rtol=1e-6, atol=1e-6 * cfg.lr), (fn.__name__, (dev - host).abs().max())
+    no_warmup = OptimConfig(lr=1e-3, warmup_steps=0)
+    assert float(schedule.learning_rate(torch.tensor(0.0), 10, no_warmup)) == pytest.approx(1e-3)
+
+
 def test_non_finite_loss_skips_the_update(tiny_cache, tmp_path):
     tr = tiny_trainer(tiny_cache, tmp_path)
     batch = first_batch(tr)
@@ -318,3 +333,24 @@ def test_resume_prefers_the_newest_step_file_over_a_stale_latest(tmp_path):
     assert uri.endswith("step_0000006.pt") and state["step"] == 3
     checkpoint.save({"step": 9}, str(tmp_path), 9, keep_last=2)
     assert checkpoint.list_steps(str(tmp_path)) == [6, 9]
+
+
+def test_prefetcher_hands_out_every_batch_in_order_one_copy_ahead():
+    """runtime.Prefetcher (CUDA's side-stream copy; its CPU path here): the loader's batches,
+    each on the device, in order, none lost at the end; batch k+1's copy is issued before
+    batch k is handed out (so it overlaps batch k's compute); an empty loader yields nothing."""
+    drawn = []
+
+    def loader():
+        for i in range(5):
+            drawn.append(i)
+            yield {"x": torch.full((2, 3), float(i)), "aug": torch.tensor([i])}
+
+    seen = []
+    for b in runtime.Prefetcher(loader(), "cpu"):
+        k = int(b["aug"][0])
+        seen.append(k)
+        assert b["x"].device.type == "cpu" and float(b["x"][0, 0]) == k
+        assert drawn[-1] == min(k + 1, 4), (k, drawn)
+    assert seen == [0, 1, 2, 3, 4]
+    assert list(runtime.Prefetcher([], "cpu")) == []

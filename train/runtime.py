@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,12 @@ class Runtime:
         return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
 
     def loader(self, dl):
-        """On XLA, MpDeviceLoader: host-to-device copies overlap compute, and under SPMD
-        every batch tensor is sharded along its batch axis over the mesh's data axis (the
+        """On CUDA, the next batch is copied on a side stream while this one computes
+        (Prefetcher). On XLA, MpDeviceLoader: host-to-device copies overlap compute, and under
+        SPMD every batch tensor is sharded along its batch axis over the mesh's data axis (the
         tensors read off one item of the dataset, so a key the config adds is never missed)."""
+        if self.kind == "cuda":
+            return Prefetcher(dl, self.device)
         if self.kind != "xla":
             return dl
         import torch_xla.distributed.parallel_loader as pl
@@ -91,6 +95,44 @@ class Runtime:
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Prefetcher:
+    """Iterates a loader's batches already on `device`, one batch ahead: the copy of batch k+1
+    is issued while batch k computes. On CUDA it runs on a side stream (from pinned memory,
+    non-blocking), the compute stream waits for it before the batch is handed out, and each
+    tensor is recorded on the compute stream so its memory is not reused while still read.
+    Elsewhere the copy is a plain `.to` (the CPU has nothing to overlap; tests run this path).
+    Not yet run on a GPU."""
+
+    def __init__(self, dl, device: torch.device | str):
+        self.dl, self.device = dl, torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _copy(self, batch: dict) -> dict:
+        if self.stream is None:
+            return {k: v.to(self.device) for k, v in batch.items()}
+        with torch.cuda.stream(self.stream):
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _hand_out(self, batch: dict) -> dict:
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)
+            for v in batch.values():
+                v.record_stream(compute)
+        return batch
+
+    def __iter__(self):
+        it = iter(self.dl)
+        try:
+            ahead = self._copy(next(it))
+        except StopIteration:
+            return
+        for nxt in it:
+            current, ahead = ahead, self._copy(nxt)
+            yield self._hand_out(current)
+        yield self._hand_out(ahead)
 
 
 def batch_ranks(item: dict) -> dict[str, int]:
@@ -143,7 +185,20 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
         raise ConfigError(f"device: {kind!r} is not one of auto, cpu, cuda, xla")
     if world > 1:
         dist.init_process_group("gloo")
+    if precision == "bf16" and rank == 0 and not cpu_has_bf16():
+        print(f"warning: precision: bf16 on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}): "
+              f"autocast emulates it, about 13x slower than fp32 (docs/measurements.md); set precision=fp32",
+              file=sys.stderr)
     return Runtime("cpu", torch.device("cpu"), rank, world, local_rank, precision == "bf16")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX); on an AVX2 CPU
+    bf16 autocast is emulated and far slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: no warning
 
 
 def _xla_available() -> bool:
