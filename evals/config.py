@@ -24,6 +24,7 @@ class ProbeConfig:
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
     extract_batch: int = 4
     device: str = "cpu"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # feature extraction; auto: bf16 autocast on cuda
     bootstrap: int = 1000
     per_device: bool = True
     cross_device: bool = True

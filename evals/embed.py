@@ -46,10 +46,12 @@ def table_schema(dim: int, key: str) -> pa.Schema:
     return out.with_metadata({**out.metadata, KEY_META: key.encode()})
 
 
-def embed_key(ident: dict, cfg, cache: str) -> str:
+def embed_key(ident: dict, cfg, cache: str, precision: str = "fp32") -> str:
     """What the embeddings depend on besides each volume's cache key."""
     blob = {"encoder": ident, "cache": cache, "stride": list(cfg.data.stride), "input": list(cfg.data.input_shape),
             "pooling": cfg.model.pool, "version": features.FEATURE_VERSION}
+    if precision != "fp32":
+        blob["precision"] = precision
     return config.content_key(blob)
 
 
@@ -86,12 +88,13 @@ def done_keys(files: list[Path]) -> set[tuple[str, str]]:
     return keys
 
 
-def probe_features(ckpt_ident: dict, cfg, run: RunFolder, cache: str) -> dict[tuple[str, str], np.ndarray]:
+def probe_features(ckpt_ident: dict, cfg, run: RunFolder, cache: str,
+                   precision: str = "fp32") -> dict[tuple[str, str], np.ndarray]:
     """Pooled features `make probe` already extracted for this checkpoint (its default
-    settings), keyed by (relpath, cache_key); empty when there are none."""
+    settings, at the same precision), keyed by (relpath, cache_key); empty when there are none."""
     # the probes' rows without their split check: embedding reads volumes, it trains nothing
     rows = data.select_rows(cache, probe.PROBED_SPLITS, None, labelled=True)
-    path = run.features / f"{features.feature_key(ckpt_ident, rows, cfg, ProbeConfig().token_pool)}.npz"
+    path = run.features / f"{features.feature_key(ckpt_ident, rows, cfg, ProbeConfig().token_pool, precision)}.npz"
     if not rows or not path.exists():
         return {}
     with np.load(path) as z:
@@ -122,7 +125,7 @@ def assemble(out: Path, files: list[Path], rows: list[dict], schema: pa.Schema) 
 
 
 def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: int = 4, chunk: int = 256,
-          device: str = "cpu", progress: bool = True) -> dict:
+          device: str = "cpu", progress: bool = True, precision: str = "auto") -> dict:
     """One output at a time (`<out>.lock`): a second run on it while the first lives is refused."""
     enc, cfg, ident = features.checkpoint_encoder(ckpt)
     out_path = Path(out) if out else RunFolder(Path(cfg.runs_dir) / cfg.name).embeddings
@@ -130,24 +133,25 @@ def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: in
     lock = out_path.with_name(out_path.name + ".lock")
     try:
         with fsio.pid_lock(lock, on_stale=lambda m: print(f"embed: {m}", file=sys.stderr)):
-            return _embed(enc, cfg, ident, cache or cfg.data.cache, out_path, batch, chunk, device, progress)
+            return _embed(enc, cfg, ident, cache or cfg.data.cache, out_path, batch, chunk, device, progress,
+                          features.resolve_precision(precision, device))
     except fsio.Busy as exc:
         raise cli.UsageError(f"--out {out_path}: another make embed is writing it ({exc}); wait for it to "
                              f"finish, or choose another OUT") from None
 
 
 def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk: int, device: str,
-           progress: bool) -> dict:
+           progress: bool, precision: str) -> dict:
     run = RunFolder(Path(cfg.runs_dir) / cfg.name)
     model = encoder.wrap(enc, cfg.data.stride, cfg.data.input_shape).to(device)
     rows = data.select_rows(cache, (*SPLITS, None), None)
-    key = embed_key(ident, cfg, cache)
+    key = embed_key(ident, cfg, cache, precision)
     parts = out_path.with_name(out_path.name + ".parts") / key
     schema = table_schema(cfg.model.dim, key)
     files = done_tables(out_path, parts, key)
     done = done_keys(files)
     todo = [r for r in rows if (r["relpath"], r["cache_key"]) not in done]
-    reuse = probe_features(ident, cfg, run, cache) if todo else {}
+    reuse = probe_features(ident, cfg, run, cache, precision) if todo else {}
     parts.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="embed", unit="vol", disable=not progress or not todo, file=sys.stderr)
     reused = 0
@@ -166,7 +170,8 @@ def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk:
         for i in range(0, len(miss), batch):
             idx = miss[i:i + batch]
             x = torch.from_numpy(np.stack([store.read_volume(cache, part_rows[j]["volume"]) for j in idx])).to(device)
-            pooled[idx] = model(x).pooled.cpu().numpy()
+            with features.autocast(precision, device):
+                pooled[idx] = model(x).pooled.float().cpu().numpy()
             bar.update(len(idx))
         name = parts / f"chunk-{len(files):05d}.parquet"
         fsio.write_parquet_atomic(embedding_table(part_rows, pooled, schema), str(name))
@@ -178,7 +183,7 @@ def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk:
     with contextlib.suppress(OSError):
         parts.parent.rmdir()  # when no other key's chunks wait there
     return {"out": str(out_path), "rows": n, "embedded": len(todo) - reused, "from_probe_features": reused,
-            "already_done": len(rows) - len(todo), "dim": cfg.model.dim, "cache": cache}
+            "already_done": len(rows) - len(todo), "dim": cfg.model.dim, "cache": cache, "precision": precision}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,12 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=256, help="rows per resumable chunk")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", choices=features.PRECISIONS, default="auto",
+                    help="auto: bf16 autocast on cuda, float32 elsewhere")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.chunk < 1:
         raise cli.UsageError("--batch and --chunk must be at least 1")
     t0 = time.perf_counter()
-    res = embed(a.ckpt, a.cache, a.out, a.batch, a.chunk, a.device, progress=not a.no_progress)
+    res = embed(a.ckpt, a.cache, a.out, a.batch, a.chunk, a.device, progress=not a.no_progress, precision=a.precision)
     print(f"embed: {res['rows']} volumes of {res['cache']} -> {res['out']} (embedding dim {res['dim']}): "
           f"{res['embedded']} embedded, {res['from_probe_features']} from the probes' features, "
           f"{res['already_done']} already done; {time.perf_counter() - t0:.1f}s")

@@ -36,15 +36,33 @@ def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig |
     return enc.eval(), cfg, ident
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(precision: str, device) -> str:
+    """"auto": bf16 autocast on CUDA (as training runs there), float32 elsewhere."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return precision
+
+
+def autocast(precision: str, device):
+    """The no-grad passes' autocast: bf16 matmuls and attention, float32 norms and softmax."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 @torch.no_grad()
 def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu", batch: int = 4,
-            progress=None) -> dict:
+            progress=None, precision: str = "fp32") -> dict:
     """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16), both pooled as
-    the encoder's `model.pool` says."""
+    the encoder's `model.pool` says; `precision` "bf16" runs the encoder under bf16 autocast."""
     enc = enc.to(device)
     pooled, tokens = [], []
     for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
-        h = encoder.tokens(enc, x.to(device))                                         # [b, N, d]
+        with autocast(precision, device):
+            h = encoder.tokens(enc, x.to(device)).float()                             # [b, N, d]
         pooled.append(enc.pool(h).cpu())
         tokens.append(enc.pool_grid(h, token_pool).half().cpu())
         if progress:
@@ -52,9 +70,11 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
     return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(tokens).numpy()}
 
 
-def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool) -> str:
+def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, precision: str = "fp32") -> str:
     blob = {"encoder": ident, "rows": [(r["relpath"], r["cache_key"]) for r in rows], "stride": list(cfg.data.stride),
             "input": list(cfg.data.input_shape), "pool": list(token_pool), "version": FEATURE_VERSION}
+    if precision != "fp32":  # float32 features keep the keys they had before precision was a setting
+        blob["precision"] = precision
     return config.content_key(blob, 20)
 
 

@@ -232,11 +232,13 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
         r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
         encoders["random_init"] = (r_enc, r_ident)
     feats, reused = {}, {}
+    precision = features.resolve_precision(cfg.precision, cfg.device)
     for name, (e, idn) in encoders.items():
-        key = features.feature_key(idn, rows, tcfg, cfg.token_pool)
+        key = features.feature_key(idn, rows, tcfg, cfg.token_pool, precision)
         feats[name], reused[name] = features.cached(
             probe_dir / "features", key,
-            lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch))
+            lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch,
+                                         precision=precision))
     return {"rows": rows, "feats": feats, "reused": reused, "step": ident["step"], "cache": cache,
             "probe_dir": probe_dir}
 

@@ -55,6 +55,27 @@ def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, ti
     assert again.returncode == 0 and f"0 embedded, 0 from the probes' features, {len(rows)} already done" in again.stdout
 
 
+def test_bf16_embeddings_are_their_own_table_close_to_float32(tiny_run, tiny_cache, tmp_path):
+    """--precision bf16 (the default on CUDA) runs the encoder under bf16 autocast (here on the
+    CPU): close to the float32 embeddings, not equal to them, and keyed apart, so neither the
+    probes' float32 features nor a float32 table's chunks are taken for it."""
+    ckpt = probed_checkpoint(tiny_run)
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
+    out = tmp_path / "bf16.parquet"
+    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--precision", "bf16", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert f"{len(rows)} embedded, 0 from the probes' features" in r.stdout, r.stdout
+    emb = np.stack(pd.read_parquet(out).embedding.to_numpy())
+    ref = expected_embeddings(ckpt, tiny_cache, rows)
+    assert emb.dtype == np.float32 and not np.array_equal(emb, ref)
+    rel = np.linalg.norm(emb - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert rel.max() < 0.05, rel.max()
+    enc, cfg, ident = features.checkpoint_encoder(ckpt)
+    keys = {p: features.feature_key(ident, rows, cfg, (1, 2, 2), p) for p in ("fp32", "bf16")}
+    assert keys["fp32"] != keys["bf16"]
+    assert features.resolve_precision("auto", "cuda") == "bf16" and features.resolve_precision("auto", "cpu") == "fp32"
+
+
 def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
