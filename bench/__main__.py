@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from pathlib import Path
 
 from bench import augment_bench, cache_bench, learning_bench, recipe_bench, reference_bench, train_bench, xla_bench
@@ -36,7 +37,11 @@ def main(argv=None) -> int:
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     for name in a.only or list(SUITES):
         kw = {"xla_python": a.xla_python} if name == "xla" else {}
-        res, lines = SUITES[name](out / name, quick=a.quick, **kw)
+        try:
+            res, lines = SUITES[name](out / name, quick=a.quick, **kw)
+        except Exception as exc:  # one suite's failure is reported and the others still run
+            traceback.print_exc()
+            res, lines = {"error": repr(exc)}, [f"## {name}", "", f"Verdict: not measured: the suite failed ({exc!r})."]
         results[name] = {**res, "markdown": lines, "quick": a.quick}
     md = [f"# octfm benchmarks ({results['machine']['cpus']} CPUs, {results['machine']['when']})", ""]
     for name in SUITES:  # every suite measured so far, newest numbers
@@ -47,7 +52,8 @@ def main(argv=None) -> int:
     print("\n".join(md))
     print(f"bench: wrote {path} and {out / 'bench.md'}")
     if a.readme:
-        done = [name for name in a.only or list(SUITES) if update_readme(Path("README.md"), name, results[name]["markdown"])]
+        done = [name for name in a.only or list(SUITES)  # a failed suite leaves the README's last measurement
+                if "error" not in results[name] and update_readme(Path("README.md"), name, results[name]["markdown"])]
         print(f"bench: README.md blocks replaced: {', '.join(done) or 'none (no <!-- bench:<suite> --> markers)'}")
     return 0
 

@@ -117,13 +117,14 @@ def run(workdir: Path, quick: bool = False):
     max_steps = 40 if quick else 120
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "train.pretrain", "--config", SMOKE, "--no-progress", *base,
-                        "name=bench_smoke", f"max_steps={max_steps}", "log_every=20", "val_every=0",
+                        "name=bench_smoke", f"max_steps={max_steps}", "log_every=20", "val_every=0", "eval_every=0",
                         f"ckpt_every={max_steps}", "data.workers=2"], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-3000:])
     res["smoke_run_s"] = round(time.perf_counter() - t, 1)
     recs = [json.loads(x) for x in (workdir / "runs" / "bench_smoke" / "metrics.jsonl").read_text().splitlines()]
-    waits = [x["data_wait_frac"] for x in recs if x["split"] == "train"][1:]
+    recs = [x for x in recs if x.get("split") == "train"]  # the training intervals only
+    waits = [x["data_wait_frac"] for x in recs][1:]
     res["smoke_data_wait_frac"] = round(sum(waits) / len(waits), 4)
     res["smoke_loss_first_last"] = [round(recs[0]["loss"], 4), round(recs[-1]["loss"], 4)]
     shutil.rmtree(workdir, ignore_errors=True)
