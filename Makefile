@@ -91,7 +91,7 @@ demo: $(STAMP)
 	@$(PY) -m evals.learning_check --line runs/pretrain_smoke
 
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q --ignore=tests/xla -m "not slow" -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q --ignore=tests/xla -m "not slow" -n 2 --dist worksteal --durations=15
 
 # The heavy lane (tests marked slow): kill -9 of builds, workers and training, store outages, a full disk, gs:// checkpoints, thousands of volumes. CI runs it.
 test-heavy: $(STAMP) test-deps
