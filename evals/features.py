@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from octfm import config, fsio
-from train import checkpoint, encoder
+from train import checkpoint, encoder, runtime
 from train.config import TrainConfig
 from train.model import Encoder
 
@@ -49,8 +49,9 @@ def resolve_precision(precision: str, device) -> str:
 
 
 def autocast(precision: str, device):
-    """The no-grad passes' autocast: bf16 matmuls and attention, float32 norms and softmax."""
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """The no-grad passes' autocast, the one training uses (runtime.Runtime.autocast)."""
+    dev = torch.device(device)
+    return runtime.Runtime(dev.type, dev, bf16=precision == "bf16").autocast()
 
 
 @torch.no_grad()
