@@ -158,19 +158,37 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     return ft.run(progress=True)["prob"]
 
 
-def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int) -> list[dict]:
+def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,
+                  supervised: dict | None = None) -> list[dict]:
     """Per fraction: fine-tuned from the checkpoint and from random init (test balanced accuracy,
-    the paired difference), and fine-tuned against the frozen attentive probe of the same
-    encoder on the same participants."""
-    out, te = [], check_probes.tested_rows(fs)
+    the paired difference), fine-tuned against the frozen attentive probe of the same encoder on
+    the same participants and, where a supervised reference was trained on them (`supervised`:
+    {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning."""
+    out, te, supervised = [], check_probes.tested_rows(fs), supervised or {}
     for f in sorted(tuned):
         p, r = tuned[f]["pretrained"], tuned[f]["random"]
+        others = [("random_init", r), ("frozen_attentive", frozen[f])]
+        if f in supervised:
+            others.append(("supervised", supervised[f]))
         out.append({"fraction": f, **{name: check_probes.score(BINARY, rows, v, te, n_boot, seed)
-                                      for name, v in (("pretrained", p), ("random_init", r),
-                                                      ("frozen_attentive", frozen[f]))},
+                                      for name, v in (("pretrained", p), *others)},
                     "pretrained_minus_random_init": check_probes.paired(BINARY, rows, p, r, te, n_boot, seed),
-                    "finetuned_minus_frozen": check_probes.paired(BINARY, rows, p, frozen[f], te, n_boot, seed)})
+                    "finetuned_minus_frozen": check_probes.paired(BINARY, rows, p, frozen[f], te, n_boot, seed),
+                    **({"finetuned_minus_supervised": check_probes.paired(BINARY, rows, p, supervised[f], te, n_boot,
+                                                                          seed)} if f in supervised else {})})
     return out
+
+
+def finetune_against_supervised(points: list[dict]) -> str | None:
+    """At the smallest fraction with a supervised reference: fine-tuned from the checkpoint
+    against the reference trained on the same labels (an extra row beside the label-efficiency
+    target, which reads a frozen probe)."""
+    for p in points:
+        if "finetuned_minus_supervised" in p:
+            return (f"fine-tuned at {pct(p['fraction'])} of labels vs the supervised reference trained on them: "
+                    f"{p['pretrained']['balanced_accuracy']:.3f} vs {p['supervised']['balanced_accuracy']:.3f}, "
+                    f"{_diff(p['finetuned_minus_supervised'])}")
+    return None
 
 
 def finetune_verdict(points: list[dict]) -> str:
@@ -307,12 +325,17 @@ def markdown(result: dict) -> str:
     if result.get("finetune"):
         lines += [f"Fine-tuning ({BINARY}, `make finetune` with configs/finetune.yaml on the same participants; the "
                   "best val epoch scored on test): from the checkpoint and from random init, against the frozen "
-                  "attentive probe of the checkpoint.", "", result["finetune"]["verdict"], "",
-                  "| labels | fine-tuned | fine-tuned random-init | frozen attentive | fine-tuned - random [95% CI] "
-                  "| fine-tuned - frozen [95% CI] |", "|---|---|---|---|---|---|"]
+                  "attentive probe of the checkpoint and the supervised reference trained on the same labels.", "",
+                  result["finetune"]["verdict"], "", *([result["finetune"]["against_supervised"], ""]
+                                                       if result["finetune"].get("against_supervised") else []),
+                  "| labels | fine-tuned | fine-tuned random-init | frozen attentive | supervised reference | "
+                  "fine-tuned - random [95% CI] | fine-tuned - frozen [95% CI] | fine-tuned - supervised [95% CI] |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
                   f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen_attentive']['balanced_accuracy']:.3f} | "
-                  f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} |"
+                  f"{_num((p.get('supervised') or {}).get('balanced_accuracy'))} | "
+                  f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
+                  f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
                   for p in result["finetune"]["points"]]
         lines.append("")
     tr = result["training"]
@@ -413,7 +436,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
     people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
-    curve, frozen = [], {}
+    curve, frozen, sup_chosen = [], {}, {}
     for f in sorted(people):
         ff = check_probes.narrowed(fs, rows, people[f])
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
@@ -425,11 +448,13 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
         if f in tuned:
             frozen[f] = encs["pretrained"]["attentive"]["prob"]
+            if "supervised" in encs:
+                sup_chosen[f] = encs["supervised"][check_probes.CHOSEN]["prob"]
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
     out["label_efficiency"] = {"task": BINARY, "points": curve}
     if tuned:
-        out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed)}
+        out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}
     return out
 
 
@@ -485,6 +510,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     result["verdict"] = verdict(result)
     if "finetune" in result:
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
+        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
     dest = out / cue
     dest.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(dest / "result.json"), json.dumps(result, indent=2, default=float).encode())
@@ -553,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{time.perf_counter() - t0:.0f}s")
     print(r["verdict"])
     if "finetune" in r:
+        if r["finetune"].get("against_supervised"):
+            print(r["finetune"]["against_supervised"])
         print(r["finetune"]["verdict"])
     return 0
 

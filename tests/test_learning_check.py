@@ -75,6 +75,13 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         for key, a, b in (("pretrained_minus_random_init", "pretrained", "random_init"),
                           ("finetuned_minus_frozen", "pretrained", "frozen_attentive")):
             assert abs(p[key]["difference"] - (p[a]["balanced_accuracy"] - p[b]["balanced_accuracy"])) < 1e-9
+    assert "supervised" not in tuned[0]                                  # no reference trained on 50% of labels
+    full_sup = points[-1]["supervised"]["balanced_accuracy"]             # 100%: the reference on the same labels
+    assert tuned[-1]["supervised"]["balanced_accuracy"] == full_sup
+    d = tuned[-1]["finetuned_minus_supervised"]["difference"]
+    assert abs(d - (tuned[-1]["pretrained"]["balanced_accuracy"] - full_sup)) < 1e-9
+    assert res2["finetune"]["against_supervised"].startswith("fine-tuned at 100% of labels vs the supervised")
+    assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
     assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / "random_50pct" / "diabetic" / "metrics.json").exists()
