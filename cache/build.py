@@ -15,6 +15,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
@@ -281,7 +282,22 @@ def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, sh
 
 
 def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress: bool = True) -> list[dict]:
-    """Build (or complete) this shard of the cache. Returns its manifest rows."""
+    """Build (or complete) this shard of the cache. Returns its manifest rows. A local cache
+    takes one build per shard at a time (a lock file in its root): two builders of the same
+    shard would write the same volumes and overwrite each other's manifest part."""
+    if fsio.is_remote(cache_root):
+        return _build(source, cache_root, cfg, shard, progress)
+    Path(cache_root).mkdir(parents=True, exist_ok=True)
+    lock = Path(cache_root) / f".build-{shard[0]}-of-{shard[1]}.lock"
+    try:
+        with fsio.pid_lock(lock, on_stale=lambda m: print(f"cache: {m}", file=sys.stderr)):
+            return _build(source, cache_root, cfg, shard, progress)
+    except fsio.Busy as exc:
+        raise cli.UsageError(f"--cache {cache_root}: another make cache is building shard {shard[0]}/{shard[1]} of "
+                             f"it ({exc}); wait for it to finish") from None
+
+
+def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool) -> list[dict]:
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
     fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run

@@ -3,6 +3,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -52,8 +53,18 @@ def test_wrong_sop_class_is_refused(tmp_path):
 
 def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
     cache = tmp_path / "cache"
+    cache.mkdir()
+    lock = cache / ".build-0-of-1.lock"                    # one builder per shard: a live one refuses a second
+    lock.write_text(str(os.getpid()))
+    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    assert r.returncode == 2 and "another make cache is building shard 0/1" in r.stderr, r.stderr
+    assert str(cache) in r.stderr and str(os.getpid()) in r.stderr and not (cache / "manifest.parquet").exists()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(str(gone.pid))                         # a killed build's lock is taken over
     r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr
+    assert f"taking over the lock of pid {gone.pid}" in r.stderr and not lock.exists()
     df = pd.read_parquet(cache / "manifest.parquet")
     failed = df[df.status == "failed"].set_index(df[df.status == "failed"].relpath.str.extract(r"bad_(\w+)\.dcm")[0])
     assert failed.loc["truncated", "error"].startswith("truncated pixel data")
