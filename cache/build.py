@@ -287,8 +287,9 @@ def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress
     shard would write the same volumes and overwrite each other's manifest part."""
     if fsio.is_remote(cache_root):
         return _build(source, cache_root, cfg, shard, progress)
-    Path(cache_root).mkdir(parents=True, exist_ok=True)
-    lock = Path(cache_root) / f".build-{shard[0]}-of-{shard[1]}.lock"
+    root = Path(fsio.filesystem(cache_root)[1])  # a plain path or file://
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root / f".build-{shard[0]}-of-{shard[1]}.lock"
     try:
         with fsio.pid_lock(lock, on_stale=lambda m: print(f"cache: {m}", file=sys.stderr)):
             return _build(source, cache_root, cfg, shard, progress)

@@ -166,16 +166,16 @@ def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot:
     {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning."""
     out, te, supervised = [], check_probes.tested_rows(fs), supervised or {}
     for f in sorted(tuned):
-        p, r = tuned[f]["pretrained"], tuned[f]["random"]
-        others = [("random_init", r), ("frozen_attentive", frozen[f])]
+        p = tuned[f]["pretrained"]
+        against = {"random_init": ("pretrained_minus_random_init", tuned[f]["random"]),   # name: (difference key, probs)
+                   "frozen_attentive": ("finetuned_minus_frozen", frozen[f])}
         if f in supervised:
-            others.append(("supervised", supervised[f]))
-        out.append({"fraction": f, **{name: check_probes.score(BINARY, rows, v, te, n_boot, seed)
-                                      for name, v in (("pretrained", p), *others)},
-                    "pretrained_minus_random_init": check_probes.paired(BINARY, rows, p, r, te, n_boot, seed),
-                    "finetuned_minus_frozen": check_probes.paired(BINARY, rows, p, frozen[f], te, n_boot, seed),
-                    **({"finetuned_minus_supervised": check_probes.paired(BINARY, rows, p, supervised[f], te, n_boot,
-                                                                          seed)} if f in supervised else {})})
+            against["supervised"] = ("finetuned_minus_supervised", supervised[f])
+        row = {"fraction": f, "pretrained": check_probes.score(BINARY, rows, p, te, n_boot, seed)}
+        for name, (key, q) in against.items():
+            row[name] = check_probes.score(BINARY, rows, q, te, n_boot, seed)
+            row[key] = check_probes.paired(BINARY, rows, p, q, te, n_boot, seed)
+        out.append(row)
     return out
 
 
@@ -333,7 +333,7 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
                   f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen_attentive']['balanced_accuracy']:.3f} | "
-                  f"{_num((p.get('supervised') or {}).get('balanced_accuracy'))} | "
+                  f"{_num(p['supervised']['balanced_accuracy']) if 'supervised' in p else ''} | "
                   f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
                   f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
                   for p in result["finetune"]["points"]]
