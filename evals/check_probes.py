@@ -1,7 +1,8 @@
 """The learning check's probes (evals/learning_check.py), on features extracted once per encoder.
 
-Every head kind of the probe config is fit on a fold's train rows, chosen on its val rows and
-scored on its test rows. A fold is the cohort's own split, or, for the scanners cue, three
+Every head kind of the probe config is fit on a fold's train rows, its hyperparameters chosen on
+the val rows, and the fold's head kind chosen on val by the one-standard-error rule (decision 8,
+docs/learning-check.md); heads are scored on the test rows. A fold is the cohort's own split, or, for the scanners cue, three
 scanners' train and val rows with the fourth scanner's test rows held out, each scanner in turn
 (evals/subsets.py). A label fraction narrows every fold's train rows to the same participants
 for every encoder. Encoders are compared on the same test rows with a paired participant
@@ -16,7 +17,8 @@ from evals import probe_metrics as pm
 from evals.config import ProbeConfig
 from manifests.aireadi import TASKS
 
-CHOSEN = "chosen_on_val"  # per fold, the head kind with the best val score
+CHOSEN = "chosen_on_val"  # per fold, the head kind chosen on val (one_se_choice)
+SIMPLEST_FIRST = ("linear", "attentive")  # the order the one-standard-error rule prefers
 
 
 def folds(rows: list[dict], protocol: str) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
@@ -44,21 +46,41 @@ def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np
 def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: list) -> dict:
     """{head kind, and CHOSEN: {"prob": test-row probabilities assembled over the folds (each
     test row from the fold that tests it), "val": mean over folds of the val balanced accuracy,
-    "heads": the head of each fold}}."""
-    y, split, _, k = task_arrays(task, rows)
+    "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}."""
+    y, split, groups, k = task_arrays(task, rows)
     out = {kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
+    out[CHOSEN]["val_best"] = []
     for _, tr, va, te in fs:
         fitted = {}
         for kind in cfg.heads:
             chosen, prob = probe.fit_and_select(kind, cfg, feats, y, split, k, tr, va)
             fitted[kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
-        best = max(fitted, key=lambda h: fitted[h][0])
-        for kind, head in [*((h, h) for h in fitted), (CHOSEN, best)]:
+        out[CHOSEN]["val_best"].append(max(fitted, key=lambda h: fitted[h][0]))
+        pick = one_se_choice(fitted, y, groups, va, k, cfg.bootstrap, cfg.seed)
+        for kind, head in [*((h, h) for h in fitted), (CHOSEN, pick)]:
             rank, prob = fitted[head]
             out[kind]["prob"][te] = prob[te]
             out[kind]["val"].append(rank[0])
             out[kind]["heads"].append(head)
     return {kind: {**v, "val": float(np.mean(v["val"]))} for kind, v in out.items()}
+
+
+def one_se_choice(fitted: dict, y: np.ndarray, groups: np.ndarray, va: np.ndarray, k: int, n_boot: int,
+                  seed: int) -> str:
+    """The head kind a fold uses (decision 8): the simplest kind (SIMPLEST_FIRST) whose val balanced
+    accuracy is within one standard error of the best kind's, the error being the participant
+    bootstrap's spread of the paired val difference. On a val split of about 150 participants two
+    near-equal heads are ranked by chance, and the best of a grid of noisier heads is the more
+    optimistic (the one-standard-error rule: Hastie, Tibshirani and Friedman, ESL section 7.10).
+    fitted: {kind: (val rank, probabilities of every row)}."""
+    best = max(fitted, key=lambda h: fitted[h][0])
+    for kind in sorted(fitted, key=SIMPLEST_FIRST.index):
+        if kind == best:
+            break
+        d = pm.paired_difference_ci(y[va], fitted[best][1][va], fitted[kind][1][va], groups[va], k, n_boot, seed)
+        if d["difference_se"] is not None and d["difference"] <= d["difference_se"]:
+            return kind
+    return best
 
 
 def majority(task: str, rows: list[dict], fs: list) -> np.ndarray:
@@ -103,6 +125,8 @@ def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed
             "pretrained": sp["balanced_accuracy"], "pretrained_ci95": sp["ci95"],
             "random_init": sr["balanced_accuracy"], "random_init_ci95": sr["ci95"],
             "val": {"pretrained": p["val"], "random_init": r["val"]},
+            **({"val_best": {"pretrained": _heads(p, "val_best"), "random_init": _heads(r, "val_best")}}
+               if "val_best" in p else {}),  # the heads the best val score alone would have used
             **paired(task, rows, p["prob"], r["prob"], te, n_boot, seed)}
     return out
 
@@ -131,5 +155,5 @@ def curve_point(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, 
     return out
 
 
-def _heads(fit: dict) -> str:
-    return "/".join(sorted(set(fit["heads"])))
+def _heads(fit: dict, key: str = "heads") -> str:
+    return "/".join(sorted(set(fit[key])))

@@ -258,7 +258,7 @@ def verdict(result: dict) -> str:
     eff = label_efficiency_check(result)
     ok = ok and (eff is None or eff[0])
     return (f"learning-check [{result['cue']}]: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
-            f"(test, heads chosen on val): {BINARY} {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
+            f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
             f"[{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] ({m['pretrained']:.3f} vs "
             f"{m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} >= +{target:.2f} with the "
