@@ -1,12 +1,12 @@
 """The learning check's probes (evals/learning_check.py), on features extracted once per encoder.
 
-Every head kind of the probe config is fit on a fold's train rows, its hyperparameters chosen on
-the val rows, and the fold's head kind chosen on val by the one-standard-error rule (decision 8,
-docs/learning-check.md); heads are scored on the test rows. A fold is the cohort's own split, or, for the scanners cue, three
-scanners' train and val rows with the fourth scanner's test rows held out, each scanner in turn
-(evals/subsets.py). A label fraction narrows every fold's train rows to the same participants
-for every encoder. Encoders are compared on the same test rows with a paired participant
-bootstrap, so what the test rows share cancels out.
+Every head kind of the probe config is fit on a fold's train rows with its hyperparameters chosen
+on the val rows; the fold's head kind is chosen on val by the one-standard-error rule (decision 8,
+docs/learning-check.md), and heads are scored on the test rows. A fold is the cohort's own split,
+or, for the scanners cue, three scanners' train and val rows with the fourth scanner's test rows
+held out, each scanner in turn (evals/subsets.py). A label fraction narrows every fold's train
+rows to the same participants for every encoder. Encoders are compared on the same test rows
+with a paired participant bootstrap, so what the test rows share cancels out.
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ CUES = {
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
-FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # at 100%: about 3,900 steps, not 40 epochs' 15,700 (F2's 100% row)
+FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
 BINARY, MULTI = "diabetic", "study_group"
 
@@ -260,7 +260,8 @@ def verdict(result: dict) -> str:
     eff = label_efficiency_check(result)
     ok = ok and (eff is None or eff[0])
     return (f"learning-check [{result['cue']}]: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
-            f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
+            f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} "
+            f"[{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
             f"[{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] ({m['pretrained']:.3f} vs "
             f"{m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} >= +{target:.2f} with the "
