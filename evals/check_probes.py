@@ -126,7 +126,7 @@ def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed
             "random_init": sr["balanced_accuracy"], "random_init_ci95": sr["ci95"],
             "val": {"pretrained": p["val"], "random_init": r["val"]},
             **({"val_best": {"pretrained": _heads(p, "val_best"), "random_init": _heads(r, "val_best")}}
-               if "val_best" in p else {}),  # the heads the best val score alone would have used
+               if kind == CHOSEN else {}),  # the heads the best val score alone would have used
             **paired(task, rows, p["prob"], r["prob"], te, n_boot, seed)}
     return out
 

@@ -45,11 +45,12 @@ def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> 
 def paired_difference_ci(y, prob_a, prob_b, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
     """Balanced accuracy of a minus b with a paired 95% interval and standard error: each
     resample of participants scores both predictors on the same rows, so what they share cancels out."""
-    diffs = [balanced_accuracy(y[idx], prob_a[idx].argmax(1), k) - balanced_accuracy(y[idx], prob_b[idx].argmax(1), k)
-             for idx in participant_resamples(groups, n_boot, seed)]
-    point = balanced_accuracy(y, prob_a.argmax(1), k) - balanced_accuracy(y, prob_b.argmax(1), k)
-    finite = np.asarray(diffs, dtype=float)
-    finite = finite[np.isfinite(finite)]
+    def diff(idx):
+        return balanced_accuracy(y[idx], prob_a[idx].argmax(1), k) - balanced_accuracy(y[idx], prob_b[idx].argmax(1), k)
+
+    diffs = np.array([diff(idx) for idx in participant_resamples(groups, n_boot, seed)], dtype=float)
+    diffs = diffs[np.isfinite(diffs)]
+    point = diff(np.arange(len(y)))
     return {"difference": float(point), "difference_ci95": _ci95(diffs),
-            "difference_se": float(np.std(finite)) if len(finite) > 1 else None, "bootstrap_resamples": n_boot,
+            "difference_se": float(np.std(diffs)) if len(diffs) > 1 else None, "bootstrap_resamples": n_boot,
             "participants": int(len(np.unique(groups)))}
