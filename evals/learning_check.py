@@ -94,7 +94,9 @@ class Stages:
 # What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
 COHORT_CODE = ("ingest/synth.py",)
 PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain` runs (train/ imports no evals/)
-SUPERVISED_CODE = (*PRETRAIN_CODE, "evals")                # evals/supervised.py trains the reference
+# evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
+# elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
+SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
 
 
 def cohort(root: Path, cfg: synth.SynthConfig) -> str:
@@ -103,7 +105,7 @@ def cohort(root: Path, cfg: synth.SynthConfig) -> str:
     marker = root / "cohort.json"
     want = json.dumps({**dataclasses.asdict(cfg), "code": config.source_digest(*COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
-        counts = synth.generate(root, cfg)
+        counts = synth.generate(root, cfg, progress=True)
         print(f"learning-check: cohort of {participants} participants, {counts['good']} volumes in {root}")
         marker.write_text(want)
     else:

@@ -8,9 +8,13 @@ both spacing layouts, flipped Spectralis OCTA cubes, and the bad files real buck
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import copy
 import dataclasses
 import io
+import multiprocessing
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -18,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
@@ -145,17 +150,23 @@ def sample_eye(label: int | None, rng: np.random.Generator, lesions: float = 1.0
 
 def _paint_lesions(img: np.ndarray, lesions, yf: float, x: np.ndarray, z: np.ndarray, bounds_f: np.ndarray) -> np.ndarray:
     """Scale the reflectivity image [R, C] by each lesion crossing frame coordinate `yf`: by
-    1 + contrast at its centre, with a Gaussian partial-volume profile around it."""
+    1 + contrast at its centre, with a Gaussian partial-volume profile around it. Only the
+    columns a lesion can reach are computed (elsewhere its factor is exactly 1)."""
     for les in lesions:
         ry, rx, rz = les.radii
         dy = ((yf - les.y) / ry) ** 2
         if dy >= LESION_EDGE:
             continue
+        dx = ((x[0] - les.x) / rx) ** 2                                              # [C]
+        cols = np.flatnonzero(dx < LESION_EDGE)   # d2 = dy + dx + dz >= dx: outside these, no change
+        if not cols.size:
+            continue
+        lo, hi = cols[0], cols[-1] + 1
         k = LAYER_INDEX[les.layer]
-        zc = (bounds_f[:, k] + bounds_f[:, k + 1]) / 2                               # [C] layer middle
-        d2 = dy + ((x[0] - les.x) / rx)[None, :] ** 2 + ((z[:, None] - zc[None, :]) / rz) ** 2
+        zc = (bounds_f[lo:hi, k] + bounds_f[lo:hi, k + 1]) / 2                        # layer middle
+        d2 = dy + dx[None, lo:hi] + ((z[:, None] - zc[None, :]) / rz) ** 2
         w = np.where(d2 < LESION_EDGE, np.exp(-1.5 * d2), 0.0)
-        img = img * (1.0 + les.contrast * w)
+        img[:, lo:hi] = img[:, lo:hi] * (1.0 + les.contrast * w)
     return img
 
 
@@ -164,9 +175,37 @@ def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
     return max(8, round(f / scale)), max(16, round(r / scale)), max(16, round(c / scale))
 
 
+@dataclasses.dataclass
+class VolumeDraws:
+    """Every random number a volume needs, drawn in one fixed order, so that drawing (one
+    sequential stream per cohort) and rendering (parallel, `generate(workers=...)`) can part."""
+    tilt: float
+    lift: float
+    gain: float
+    speckle: np.ndarray  # [F, R, C] float32, multiplicative
+    floor: np.ndarray    # [F, R, C] float32, the noise floor added after it
+
+
+def draw_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> VolumeDraws:
+    frames = shape[0]
+    tilt, lift, gain = rng.uniform(-0.04, 0.04), rng.uniform(-0.03, 0.03), rng.uniform(0.85, 1.15)
+    speckle = np.empty(shape, dtype=np.float32)
+    floor = np.empty(shape, dtype=np.float32)
+    for f in range(frames):  # per frame, speckle then floor: the stream's order
+        speckle[f] = rng.gamma(2.0, 0.5, size=shape[1:])
+        floor[f] = np.abs(rng.normal(0.03, 0.02, size=shape[1:]))
+    return VolumeDraws(tilt, lift, gain, speckle, floor)
+
+
 def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, laterality: str = "R",
                 label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
-    """A retina-like uint8 volume [frames, rows, cols].
+    """A retina-like uint8 volume [frames, rows, cols] (`render_volume` of `draw_volume`)."""
+    return render_volume(shape, draw_volume(shape, rng), laterality, label, signal, eye)
+
+
+def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: str = "R",
+                  label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
+    """A retina-like uint8 volume [frames, rows, cols] from its random draws.
 
     `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
     probe can learn (issue: probes on planted signal).
@@ -181,8 +220,7 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
     disc_x = 0.85 if laterality == "R" else -0.85
     r2 = x ** 2 + y ** 2
     fovea = np.exp(-r2 / 0.03)
-    tilt = rng.uniform(-0.04, 0.04)
-    surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + tilt * x + 0.035 * fovea + rng.uniform(-0.03, 0.03)
+    surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + draws.tilt * x + 0.035 * fovea + draws.lift
     thick, moved = [], 0.0
     for name, t, _ in LAYERS:
         t = np.full_like(surface, t)
@@ -206,17 +244,17 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
     arc = -0.7 * np.sqrt(np.clip(np.abs(x - disc_x) / 1.7, 0, 1))                # vessel centre line (frames)
     half_width = max(0.06, 1.0 / max(frames - 1, 1))                            # at least one frame per column
     vessel = (np.abs(y - arc) < half_width) & (np.abs(x - disc_x) < 1.7)       # [F, C]
-    gain = rng.uniform(0.85, 1.15)
     out = np.empty(shape, dtype=np.uint8)
     for f in range(frames):
-        idx = (z[:, None, None] > bounds[f][None]).sum(-1)                     # [R, C] layer index
+        idx = np.zeros((rows, cols), dtype=np.intp)                            # [R, C] layer index:
+        for k in range(bounds.shape[-1]):                                      # boundaries above each voxel
+            idx += z[:, None] > bounds[f, :, k][None]
         img = levels[idx]
         depth_below = np.clip(z[:, None] - bounds[f, :, -2][None], 0, None)     # choroid fades
         img = img * np.where(idx >= len(LAYERS), np.exp(-depth_below * 8), 1.0)
         img = img * np.where(vessel[f][None, :] & (idx > 1), 0.5, 1.0)          # shadow below the RNFL
         img = _paint_lesions(img, eye.lesions, float(y[f, 0]), x, z, bounds[f]) + eye.offset
-        speckle = rng.gamma(2.0, 0.5, size=img.shape).astype(np.float32)
-        img = gain * img * speckle + np.abs(rng.normal(0.03, 0.02, size=img.shape)).astype(np.float32)  # noise floor
+        img = draws.gain * img * draws.speckle[f] + draws.floor[f]             # speckle, noise floor
         img = np.log1p(40 * np.clip(img, 0, None)) / np.log1p(40 * 1.6)
         out[f] = np.clip(img * 255, 0, 255).astype(np.uint8)
     return out
@@ -323,8 +361,87 @@ def _participants(cfg: SynthConfig) -> pd.DataFrame:
     return df.rename(columns={"participant_id": cfg.id_column})
 
 
-def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
-    """Write the tree under `out` (replacing it). Returns counts for the summary."""
+@dataclasses.dataclass
+class VolumeJob:
+    """One volume, its random numbers drawn: rendering it and writing its DICOM can run in any
+    process and in any order and give the same bytes."""
+    shape: tuple[int, int, int]
+    draws: VolumeDraws
+    spec: DeviceSpec
+    spacing: tuple[float, float, float]
+    pid: str
+    laterality: str
+    label: int | None
+    signal: float
+    eye: Eye | None
+    flip: bool
+    uid: str
+    study_uid: str
+
+    def dataset(self) -> Dataset:
+        vol = render_volume(self.shape, self.draws, self.laterality, self.label, self.signal, self.eye)
+        if self.flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
+            vol = vol[::-1].copy()
+        return make_dataset(vol, self.spec, self.spacing, participant=self.pid, laterality=self.laterality,
+                            sop_uid=self.uid, study_uid=self.study_uid,
+                            series_uid=generate_uid(entropy_srcs=[self.uid, "series"]))
+
+
+def _write_job(job: VolumeJob, path: Path, compress: str | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(dicom_bytes(job.dataset(), compress))
+
+
+class _Writer:
+    """Renders and writes volumes here (workers=0) or in a pool of processes, with at most two
+    per worker in flight (each holds its random arrays: tens of MB at scale 4)."""
+
+    def __init__(self, workers: int):
+        self.pending: collections.deque = collections.deque()
+        self.pool = None
+        if workers > 0:
+            ctx = multiprocessing.get_context("forkserver")  # not fork: the caller may hold torch's threads
+            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
+        self.limit = 2 * workers
+
+    def submit(self, job: VolumeJob, path: Path, compress: str | None) -> None:
+        if self.pool is None:
+            _write_job(job, path, compress)
+            return
+        self.pending.append(self.pool.submit(_write_job, job, path, compress))
+        while len(self.pending) > self.limit:
+            self.pending.popleft().result()
+
+    def __enter__(self) -> "_Writer":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if self.pool is None:
+            return
+        try:
+            if kind is None:
+                for f in self.pending:
+                    f.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+POOL_FROM = 64  # participants: below this a process pool's start-up costs more than it saves
+
+
+def default_workers(cfg: SynthConfig) -> int:
+    if cfg.placeholders or cfg.participants < POOL_FROM:
+        return 0
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | None = None,
+             progress: bool = False) -> dict:
+    """Write the tree under `out` (replacing it). Returns counts for the summary.
+
+    The random numbers are drawn in one stream, in participant order; with `workers` > 0
+    (default: the cores, for cohorts of POOL_FROM participants or more) the volumes are rendered
+    and written by that many processes. The bytes do not depend on `workers` (tested)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -337,7 +454,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
     study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
 
     def add_file(pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
-                 imaging: str = "OCT") -> None:
+                 imaging: str = "OCT") -> str:
         rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
         if data is not None:
             path = out / rel
@@ -350,43 +467,48 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig()) -> dict:
             **tsv_spacing(spec), "sop_instance_uid": sop_uid,
             "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
         })
+        return rel
 
-    def volume_dataset(pid, spec, lat, label, imaging="OCT", flip=False, vol_rng=None):
+    def volume_job(pid, spec, lat, label, imaging="OCT", flip=False, vol_rng=None):
+        """The volume's job (None with placeholders), its shape and SOP Instance UID; draws its
+        random numbers now, in the stream's order."""
         shape = scaled_shape(spec.name, cfg.scale)
         f, r, c = spec.shape
         spacing = tuple(s * n / m for s, n, m in zip(spec.spacing, (f, r, c), shape))
+        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
         if cfg.placeholders:
-            return None, shape, generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
+            return None, shape, uid
         r = vol_rng or rng
         eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
-        vol = make_volume(shape, r, lat, label, cfg.signal, eye)
-        if flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
-            vol = vol[::-1].copy()
-        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
-        ds = make_dataset(vol, spec, spacing, participant=pid, laterality=lat, sop_uid=uid, study_uid=study_uid,
-                          series_uid=generate_uid(entropy_srcs=[uid, "series"]))
-        return ds, shape, uid
+        job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye, flip, uid,
+                        study_uid)
+        return job, shape, uid
 
-    for i, row in people.iterrows():
-        pid = row[cfg.id_column]
-        g = row["study_group"]
-        label = STUDY_GROUPS.index(g) if g else None
-        # a Latin square: over 16 participants each (device, label) pair occurs once, so the
-        # device says nothing about the label (a probe must not score by recognising scanners)
-        spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
-        for lat in ("R", "L"):
-            ds, shape, uid = volume_dataset(pid, spec, lat, label)
-            name = f"{pid}_{spec.short}_mac_oct_{lat.lower()}_{uid}.dcm"
-            add_file(pid, spec, lat, name, b"" if ds is None else dicom_bytes(ds, spec.compress), shape, uid)
-            counts["good"] += 1
-        if spec.name == "heidelberg_spectralis":
-            seed_i = cfg.seed * 1000 + i
-            ds, shape, uid = volume_dataset(pid, spec, "R", label, "OCTA", flip=True,
-                                            vol_rng=np.random.default_rng(seed_i))
-            add_file(pid, spec, "R", f"{pid}_{spec.short}_mac_octa_r_{uid}.dcm", b"" if ds is None else dicom_bytes(ds),
-                     shape, uid, "OCTA")
-            counts["good"] += 1
-            counts["octa"] += 1
+    def volume_dataset(pid, spec, lat, label):
+        job, shape, uid = volume_job(pid, spec, lat, label)
+        return job.dataset(), shape, uid
+
+    with _Writer(default_workers(cfg) if workers is None else workers) as writer:
+        for i, row in tqdm(people.iterrows(), total=len(people), desc="cohort", unit="participant",
+                           disable=not progress, dynamic_ncols=True):
+            pid = row[cfg.id_column]
+            g = row["study_group"]
+            label = STUDY_GROUPS.index(g) if g else None
+            # a Latin square: over 16 participants each (device, label) pair occurs once, so the
+            # device says nothing about the label (a probe must not score by recognising scanners)
+            spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
+            volumes = [("R", "OCT", None), ("L", "OCT", None)]
+            if spec.name == "heidelberg_spectralis":
+                volumes.append(("R", "OCTA", np.random.default_rng(cfg.seed * 1000 + i)))
+            for lat, imaging, vol_rng in volumes:
+                octa = imaging == "OCTA"
+                job, shape, uid = volume_job(pid, spec, lat, label, imaging, flip=octa, vol_rng=vol_rng)
+                name = f"{pid}_{spec.short}_mac_{imaging.lower()}_{lat.lower()}_{uid}.dcm"
+                rel = add_file(pid, spec, lat, name, b"" if job is None else None, shape, uid, imaging)
+                if job is not None:
+                    writer.submit(job, out / rel, None if octa else spec.compress)
+                counts["good"] += 1
+                counts["octa"] += octa
 
     if cfg.bad_files:
         _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
@@ -471,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       lesion_size=a.lesion_size, layers=a.layers, unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
-    counts = generate(a.out, cfg)
+    counts = generate(a.out, cfg, progress=True)
     n_bytes = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
     layout = f"; in {counts['archives']} ZIP archives" if a.zipped else ""
     print(f"synth: wrote {a.out}: {counts['good']} good volumes ({counts['octa']} Spectralis OCTA, frame-reversed), "

@@ -154,3 +154,20 @@ def test_the_lesion_counter_reads_the_centre_of_any_shape():
         return vol
     assert lesion_counts(with_blob(200))[0] > 0 and lesion_counts(with_blob(100))[0] > 0
     assert lesion_counts(np.full((32, 256, 256), 150.0))[0] == 0
+
+
+def _tree_bytes(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_generator_bytes_do_not_depend_on_workers(tmp_path):
+    """The random numbers are drawn in one stream in the caller; a pool of processes renders and
+    writes the volumes: the same tree, byte for byte, as in one process (lesions, the layers cue,
+    a JPEG 2000 scanner (participant 3, a Cirrus) and a Spectralis OCTA cube included)."""
+    cfg = dataclasses.replace(learning_check.COHORT, participants=6, scale=16, layers=0.2)
+    synth.generate(tmp_path / "one", cfg, workers=0)
+    synth.generate(tmp_path / "pool", cfg, workers=2)
+    one, pool = _tree_bytes(tmp_path / "one"), _tree_bytes(tmp_path / "pool")
+    assert list(one) == list(pool) and len(one) == 2 + 6 * 2 + 1  # two tables, both eyes, one OCTA cube
+    assert [k for k in one if one[k] != pool[k]] == []
+    assert synth.default_workers(dataclasses.replace(cfg, participants=synth.POOL_FROM - 1)) == 0

@@ -6,6 +6,7 @@ import json
 import re
 
 from conftest import run_cli, tiny_train_args
+from evals import learning_check
 
 PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
 
@@ -96,11 +97,34 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
 
 
 
+def test_supervised_code_covers_what_the_reference_imports_from_evals():
+    """SUPERVISED_CODE keys the references on evals/supervised.py and the evals/ modules it
+    imports, so an import added there must join the key."""
+    import ast
+
+    from conftest import REPO
+
+    todo, seen = ["evals/supervised.py"], set()
+    while todo:
+        path = todo.pop()
+        seen.add(path)
+        for node in ast.walk(ast.parse((REPO / path).read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module == "evals":
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("evals."):
+                names = [node.module.split(".")[1]]
+            elif isinstance(node, ast.Import):
+                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("evals.")]
+            todo += [f"evals/{n}.py" for n in names if f"evals/{n}.py" not in seen]
+    assert seen == {c for c in learning_check.SUPERVISED_CODE if c.startswith("evals/")}
+
+
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
-    instead of answering "nothing to do" from runs older code made), editing evals/ retrains the
-    supervised reference but keeps the pretraining, and editing the generator makes the cohort
-    afresh; unedited, all are reused."""
+    instead of answering "nothing to do" from runs older code made), editing the probes keeps the
+    pretraining and the supervised references, editing evals/supervised.py retrains the references
+    only, and editing the generator makes the cohort afresh; unedited, all are reused."""
     import shutil
     import subprocess
     import sys
@@ -126,8 +150,11 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     assert run() == (first, True)                                    # nothing changed: all reused
     with open(copy / "evals" / "probe.py", "a") as f:
         f.write("\n# an edit\n")
+    assert run() == (first, True)                                    # a probe edit: everything kept
+    with open(copy / "evals" / "supervised.py", "a") as f:
+        f.write("\n# an edit\n")
     (pre, sup), reused = run()
-    assert pre == first[0] and sup != first[1] and reused            # a probe edit: the pretraining kept
+    assert pre == first[0] and sup != first[1] and reused            # the reference's code: it retrains
     with open(copy / "train" / "model.py", "a") as f:
         f.write("\n# an edit\n")
     second, reused = run()
