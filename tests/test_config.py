@@ -77,3 +77,14 @@ def test_check_recipe_is_the_production_recipe_at_check_size():
     assert "model.dim" in listed and differ <= listed, f"not size or run settings: {sorted(differ - listed)}"
     single = load("pretrain_single_domain")
     assert {k for k in prod if prod[k] != single.get(k)} <= {"name", "data.devices"}
+
+
+def test_shipped_configs_are_the_defaults():
+    """`python -m evals.finetune` or `evals.probe` without --config runs the recipe the shipped
+    YAML (what make passes) holds, not an older one left in the dataclass (the probe config
+    names the smoke run, which only the make target should assume)."""
+    from evals.config import FinetuneConfig, ProbeConfig
+
+    for cls, path, own in [(FinetuneConfig, "configs/finetune.yaml", set()), (ProbeConfig, "configs/probe.yaml", {"run"})]:
+        shipped, default = config.to_dict(config.load(cls, path)), config.to_dict(config.load(cls, None))
+        assert {k: v for k, v in shipped.items() if k not in own} == {k: v for k, v in default.items() if k not in own}, path
