@@ -22,10 +22,10 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
+from tqdm import tqdm
 
 from manifests.aireadi import SITES, STUDY_GROUPS
 from octfm import cli
