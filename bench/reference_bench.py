@@ -93,8 +93,8 @@ def make_ref(bf16):
         # around the forward, where its CUDA run has torch.cuda.amp.autocast; bf16 needs no loss scaling)
         x = pretrain.data.normalize(b["x"], b["aug"])
         n = sum(1 for k in b if k.startswith("ctx_"))
-        m_enc = [[b[f"ctx_{{i}}"] for i in range(n)]]
-        m_pred = [[b[f"tgt_{{i}}"] for i in range(n)]]
+        m_enc = [[b[f"ctx_{{i}}"].long() for i in range(n)]]  # vjepa2 gathers with int64 ids (octfm's are int32)
+        m_pred = [[b[f"tgt_{{i}}"].long() for i in range(n)]]
         sched.step(); wd_sched.step()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             with torch.no_grad():

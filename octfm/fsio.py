@@ -31,6 +31,45 @@ def is_remote(uri: str) -> bool:
     return "://" in str(uri) and not str(uri).startswith("file://")
 
 
+# File systems that every machine mounting them sees alike (network and cluster file systems,
+# bucket mounts); a local disk under the same path on each host is not one of them.
+SHARED_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "lustre", "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs", "beegfs",
+    "gpfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3", "fuse.juicefs", "fuse.blobfuse2"})
+
+
+def mount_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:
+    """The file-system type of the mount that holds `path` (which need not exist yet), from the
+    mount table; None where the table cannot be read."""
+    head, rest = os.path.abspath(path), []
+    while not os.path.exists(head) and head != os.path.dirname(head):  # links resolved where the path exists
+        head, tail = os.path.split(head)
+        rest.insert(0, tail)
+    p = os.path.join(os.path.realpath(head), *rest)
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = p == point or p.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def is_shared(uri: str, mounts: str = "/proc/self/mounts") -> bool:
+    """Whether every host of a run reads and writes `uri` alike: an object store (gs://, s3://),
+    or a local path on a network or cluster file system (SHARED_FILESYSTEMS)."""
+    if is_remote(uri):
+        return True
+    return mount_type(str(uri), mounts) in SHARED_FILESYSTEMS
+
+
 def storage_options(uri: str) -> dict:
     """Options for fsspec: on gs://, anonymous access when an emulator is configured."""
     if str(uri).startswith(("gs://", "gcs://")):

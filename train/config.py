@@ -23,7 +23,7 @@ class DataConfig:
     # the plain random crop. Scale jitter for a cache stored at the crop's own size.
     scale: tuple[float, float] = (1.0, 1.0)
     intensity_jitter: float = 0.1                  # device-side gain/offset jitter amplitude
-    workers: int = 2
+    workers: int | None = None                     # loader processes; None: from this host's cores (data.loader_workers)
     start_method: Literal["spawn", "forkserver"] = "forkserver"
     prefetch_factor: int = 2
 

@@ -7,6 +7,8 @@ Host-side work keeps uint8; the float conversion and intensity jitter happen on 
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -46,6 +48,20 @@ def select_rows(cache: str, splits, devices, labelled: bool = False) -> list[dic
     return sorted(rows, key=lambda r: r["relpath"])
 
 
+MAX_DEFAULT_WORKERS = 32  # each holds prefetch_factor batches of uint8 volumes in host memory
+
+
+def loader_workers(workers: int | None) -> int:
+    """`data.workers`, or when None the cores this process may use, shared among the processes
+    of this host (torchrun's LOCAL_WORLD_SIZE), less one for the process itself: the random-
+    resized crop costs about 85 ms of one core per production sample, so the loader needs cores
+    in proportion to the chips' pace (docs/accelerators.md)."""
+    if workers is not None:
+        return workers
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // per_host - 1))
+
+
 def sample_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, epoch, index, stream]))
 
@@ -67,6 +83,12 @@ class CacheDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def __getstate__(self) -> dict:
+        """Workers build their own transforms: building them is what turns MONAI's meta tracking
+        off in that process, so a copy built here (the XLA loader reads one item first) would
+        make the workers return MetaTensors, which torch_xla's loader refuses."""
+        return {**self.__dict__, "_transforms": None}
 
     @property
     def zooms(self) -> bool:
@@ -112,8 +134,8 @@ class CacheDataset(Dataset):
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
         item = {"x": x, "aug": aug}
         for i, (c, g, _, valid) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
-            item[f"ctx_{i}"] = torch.from_numpy(c).long()
-            item[f"tgt_{i}"] = torch.from_numpy(g).long()
+            item[f"ctx_{i}"] = torch.from_numpy(c.astype(np.int32))  # int32: int64 is emulated on TPU
+            item[f"tgt_{i}"] = torch.from_numpy(g.astype(np.int32))
             if valid is not None:
                 item[f"ctxvalid_{i}"] = torch.from_numpy(valid)
         return item

@@ -1,8 +1,9 @@
 """A 3D ViT encoder and a narrow predictor for V-JEPA on OCT volumes.
 
 Tokens are selected by index with one gather (`gather_tokens`) used alike by the context
-encoder (visible tokens only) and the predictor (positions of context and targets).
-Attention is PyTorch SDPA. Positions are fixed 3D sin-cos embeddings.
+encoder (visible tokens only), the predictor (positions of context and targets) and the loss.
+Attention goes through `train.attention.attend`, which picks the kernel for the backend (flash
+on TPU and CUDA). Positions are fixed 3D sin-cos embeddings.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from octfm.config import ConfigError
-from train import masks
+from train import attention, masks
 from train.config import LossConfig, ModelConfig
 
 
@@ -41,8 +42,17 @@ def sincos_3d(grid: tuple[int, int, int], dim: int) -> torch.Tensor:
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [B, N, C], idx [B, K] -> [B, K, C]."""
-    return torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    """x [B, N, C], idx [B, K] (int32 or int64) -> [B, K, C]: whole rows of the flattened tokens
+    (one index_select, whose backward adds rows back), not a gather per element with an index
+    expanded over the channels (on XLA a scatter of B x K x C scalars in the backward)."""
+    b, n, c = x.shape
+    offsets = torch.arange(b, device=idx.device, dtype=idx.dtype).unsqueeze(1) * n
+    return x.reshape(b * n, c).index_select(0, (idx + offsets).reshape(-1)).view(b, idx.shape[1], c)
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table [N, C] shared by the batch (positions), idx [B, K] -> [B, K, C]."""
+    return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[-1])
 
 
 class Attention(nn.Module):
@@ -56,7 +66,7 @@ class Attention(nn.Module):
         """`keep` [B, N] bool: the tokens others may attend to (None: all)."""
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :])
+        y = attention.attend(q, k, v, keep)
         return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
 
@@ -211,9 +221,8 @@ class Predictor(nn.Module):
     def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor,
                 ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
         b = ctx.shape[0]
-        pos = self.pos.unsqueeze(0).expand(b, -1, -1)
-        c = self.embed(ctx) + gather_tokens(pos, ctx_idx)
-        m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_tokens(pos, tgt_idx)
+        c = self.embed(ctx) + gather_rows(self.pos, ctx_idx)
+        m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_rows(self.pos, tgt_idx)
         x = torch.cat([c, m], dim=1)
         keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:

@@ -51,9 +51,11 @@ def optimizer_flags(kind: str) -> dict:
 
 
 def build_optimizer(model, cfg: TrainConfig, rt: runtime.Runtime, lr: torch.Tensor):
-    """AdamW with a device-tensor lr shared by its groups (optimizer_flags)."""
-    return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas),
-                             **optimizer_flags(rt.kind))
+    """AdamW with a device-tensor lr shared by its groups (optimizer_flags), its state created."""
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr, betas=tuple(cfg.optim.betas),
+                            **optimizer_flags(rt.kind))
+    init_optimizer_state(opt)
+    return opt
 
 
 OPTIMIZER_FLAGS = ("capturable", "foreach", "fused")  # chosen per backend by build_optimizer
@@ -109,10 +111,33 @@ def xla_compiles() -> dict:
 
 @torch.no_grad()
 def ema_update(target: Encoder, online: Encoder, momentum: torch.Tensor) -> None:
-    """target = m * target + (1 - m) * online, with m a device tensor."""
+    """target = m * target + (1 - m) * online, with m a device tensor: one foreach lerp over
+    every parameter on CUDA and CPU (a few fused kernels, not one launch per tensor). On XLA one
+    lerp per tensor: they join the step's graph either way, and torch_xla's foreach lerp reads a
+    tensor weight back to the host (a sync that cut the step's graph in two)."""
     w = 1.0 - momentum
-    for t, o in zip(target.parameters(), online.parameters()):
-        t.lerp_(o.detach(), w)
+    targets, onlines = list(target.parameters()), [o.detach() for o in online.parameters()]
+    if w.device.type == "xla":
+        for t, o in zip(targets, onlines):
+            t.lerp_(o, w)
+    else:
+        torch._foreach_lerp_(targets, onlines, w)
+
+
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (step count, moments) before the first update, as its first step
+    would: zeros, the step count on the parameter's device for a fused or capturable optimizer.
+    The first step then runs the graph every later step runs (XLA compiles the step once per
+    launch, not twice) and checkpoints hold the same keys from step 0."""
+    for g in opt.param_groups:
+        on_device = g.get("fused") or g.get("capturable")
+        for p in g["params"]:
+            st = opt.state[p]
+            if st:
+                continue
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 GUARD_PATHS = ("found_inf", "branch", "select")
@@ -170,7 +195,9 @@ def guarded_step(opt: torch.optim.Optimizer, ok: torch.Tensor, path: str | None 
 def compile_modules(*modules: torch.nn.Module) -> None:
     """torch.compile each module in place (inductor; state_dict keys unchanged, so checkpoints
     load either way). Shapes are fixed per config, so a run compiles once per graph: the
-    training step, and each of validation's and the online probe's no-grad passes."""
+    training step, and each of validation's and the online probe's no-grad passes. The student
+    is compiled after the DDP wrap (Trainer.network): compiled around DDP, the backward is split
+    at its gradient buckets so the all-reduce overlaps it."""
     for m in modules:
         m.compile()
 
@@ -182,6 +209,7 @@ class Trainer:
         self.cfg, self.rt = cfg, rt
         self.run_dir = Path(cfg.runs_dir) / cfg.name
         self.ckpt_dir = cfg.ckpt_dir or run_folder.default_checkpoints(self.run_dir)
+        checkpoint.require_shared(self.ckpt_dir, rt.hosts)
         torch.manual_seed(cfg.seed)
         self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
         if not self.rows:
@@ -194,7 +222,7 @@ class Trainer:
         self.model.to(rt.device)
         self.target.to(rt.device)
         if cfg.compile and rt.kind != "xla":
-            compile_modules(self.model, self.target)
+            compile_modules(self.target)  # the student after the DDP wrap: network()
         self.horizon = cfg.max_steps  # the step the schedules end at: a resume keeps the checkpoint's
         self.lr = torch.tensor(schedule.learning_rate(0, self.horizon, cfg.optim), device=rt.device)
         self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
@@ -212,6 +240,13 @@ class Trainer:
         self._probe = None  # the online probe, built at its first use
         self.writer = checkpoint.Writer()  # rank 0's checkpoint writes, in the background
         self.resumed_from = self._maybe_resume(ckpt)
+        rt.replicate(self.state_tensors())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor a step reads and writes back: weights, AdamW state, the device scalars."""
+        opt_state = [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        scalars = [self.lr, self.momentum, self.clock, self.loss_mean, self.skipped, self.skip_run, self.loss_scale]
+        return [*self.model.parameters(), *self.target.parameters(), *opt_state, *scalars]
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict:
@@ -286,12 +321,23 @@ class Trainer:
     def save(self, on_saved=None) -> str | None:
         """Snapshot the state now (state() copies every tensor) and write it in the background
         (checkpoint.Writer) while training goes on. The write before it is waited for first, so
-        at most one snapshot is held. Returns the path the file will have (rank 0);
-        `on_saved(path)` runs once it exists."""
+        at most one snapshot is held. Every process takes the snapshot where it is a collective
+        (Runtime.collective_snapshot); rank 0 writes it. Returns the path the file will have
+        (rank 0); `on_saved(path)` runs once it exists."""
+        if not (self.rt.is_master or self.rt.collective_snapshot):
+            return None
+        snapshot = self.state()
         if not self.rt.is_master:
             return None
         self.writer.wait()
-        return self.writer.submit(self.state(), self.ckpt_dir, self.step, self.cfg.keep_last, done=on_saved)
+        return self.writer.submit(snapshot, self.ckpt_dir, self.step, self.cfg.keep_last, done=on_saved)
+
+    def network(self) -> torch.nn.Module:
+        """The student as the step calls it: wrapped for DDP, then compiled (`compile: true`)."""
+        net = self.rt.wrap(self.model)
+        if self.cfg.compile and self.rt.kind != "xla":
+            compile_modules(net)
+        return net
 
     # ------------------------------------------------------------ data
     def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None):
@@ -300,8 +346,9 @@ class Trainer:
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
                                     stop_batch)
         kw = {}
-        if cfg.data.workers > 0:
-            kw = {"num_workers": cfg.data.workers, "multiprocessing_context": cfg.data.start_method,
+        workers = data.loader_workers(cfg.data.workers)
+        if workers > 0:
+            kw = {"num_workers": workers, "multiprocessing_context": cfg.data.start_method,
                   "persistent_workers": True, "prefetch_factor": cfg.data.prefetch_factor}
         dl = DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
@@ -425,7 +472,7 @@ class Trainer:
 
     def _loop(self, log: metrics.MetricsLog, bar) -> dict:
         cfg, rt = self.cfg, self.rt
-        net = rt.wrap(self.model)
+        net = self.network()
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                   stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps)
         it = iter(rt.loader(dl))
@@ -438,12 +485,12 @@ class Trainer:
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         set_scalar(self.clock, self.step)  # once per loop (a resume starts mid-schedule); then on the device
         while self.step < cfg.max_steps:
-            self.advance_schedules()
             batches = []
             for _ in range(accum):
                 tw = time.perf_counter()
                 batches.append(rt.to_device(next(it)))
                 wait += time.perf_counter() - tw
+            self.advance_schedules()  # after the fetch (XLA's loader ends a graph there): in the step's graph
             loss, gnorm, targets = self.update(batches, net)
             rt.sync()
             self.step += 1

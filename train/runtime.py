@@ -36,6 +36,21 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world > 1 and self.kind != "xla"
 
+    @property
+    def hosts(self) -> int:
+        """Machines in the run: XLA SPMD runs one process per host; torchrun starts
+        LOCAL_WORLD_SIZE processes on each of WORLD_SIZE / LOCAL_WORLD_SIZE nodes."""
+        if self.kind == "xla":
+            return self.world
+        return max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+
+    @property
+    def collective_snapshot(self) -> bool:
+        """Whether reading the state to the host is a collective every process must join: under
+        XLA SPMD a tensor may be sharded across hosts (FSDP later), so every host copies it out;
+        under DDP each process holds whole replicas and rank 0 alone reads them."""
+        return self.kind == "xla"
+
     def autocast(self):
         if not self.bf16:
             return contextlib.nullcontext()
@@ -45,7 +60,8 @@ class Runtime:
         if self.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            return DDP(model, device_ids=[self.local_rank] if self.kind == "cuda" else None)
+            # the positions are constant buffers: nothing to broadcast every forward
+            return DDP(model, device_ids=[self.local_rank] if self.kind == "cuda" else None, broadcast_buffers=False)
         return model
 
     def no_sync(self, model, active: bool):
@@ -88,9 +104,31 @@ class Runtime:
         sharding = _batch_sharding(self.mesh, batch_ranks(dl.dataset[(0, 0)])) if self.mesh is not None else None
         return pl.MpDeviceLoader(dl, self.device, input_sharding=sharding)
 
+    def replicate(self, tensors) -> None:
+        """Place state tensors (weights, optimizer state, schedule scalars) on the XLA mesh as
+        replicated, as the step's outputs will be: otherwise the first step reads them without a
+        sharding and the second with one, and XLA compiles the step twice. A no-op elsewhere."""
+        if self.kind != "xla" or self.mesh is None:
+            return
+        import torch_xla.distributed.spmd as xs
+
+        for t in tensors:
+            xs.mark_sharding(t, self.mesh, (None,) * t.dim())
+
     def barrier(self) -> None:
+        """Every process waits for the others. Under XLA SPMD: a sum over a tensor sharded along
+        the data axis, read back on the host, which no host finishes before all have run it."""
         if self.distributed:
             dist.barrier()
+        elif self.kind == "xla" and self.mesh is not None:
+            import torch_xla
+            import torch_xla.distributed.spmd as xs
+
+            t = torch.ones(self.mesh.size(), device=self.device)
+            xs.mark_sharding(t, self.mesh, ("data",))
+            total = t.sum()
+            torch_xla.sync()
+            total.cpu()
 
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
@@ -100,25 +138,29 @@ class Runtime:
 class Prefetcher:
     """Iterates a loader's batches already on `device`, one batch ahead: the copy of batch k+1
     is issued while batch k computes. On CUDA it runs on a side stream (from pinned memory,
-    non-blocking), the compute stream waits for it before the batch is handed out, and each
-    tensor is recorded on the compute stream so its memory is not reused while still read.
-    Elsewhere the copy is a plain `.to` (the CPU has nothing to overlap; tests run this path).
-    Not yet run on a GPU."""
+    non-blocking) and records an event after each batch's copy; the compute stream waits on that
+    batch's event only (waiting on the side stream would also wait for the next batch's copy,
+    issued right after), and each tensor is recorded on the compute stream so its memory is not
+    reused while still read. Elsewhere the copy is a plain `.to` (tests run this path)."""
 
     def __init__(self, dl, device: torch.device | str):
         self.dl, self.device = dl, torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def _copy(self, batch: dict) -> dict:
+    def _copy(self, batch: dict) -> tuple[dict, object]:
         if self.stream is None:
-            return {k: v.to(self.device) for k, v in batch.items()}
+            return {k: v.to(self.device) for k, v in batch.items()}, None
         with torch.cuda.stream(self.stream):
-            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            out = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
 
-    def _hand_out(self, batch: dict) -> dict:
-        if self.stream is not None:
+    def _hand_out(self, copied: tuple[dict, object]) -> dict:
+        batch, done = copied
+        if done is not None:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.stream)
+            compute.wait_event(done)
             for v in batch.values():
                 v.record_stream(compute)
         return batch
@@ -179,6 +221,7 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
         xr.initialize_cache(cache, readonly=False)
         n = xr.global_runtime_device_count()
         mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+        xs.set_global_mesh(mesh)  # the flash-attention kernel reads it (train/attention.py)
         return Runtime("xla", torch_xla.device(), xr.process_index(), xr.process_count(), 0,
                        precision == "bf16", mesh)
     if kind != "cpu":

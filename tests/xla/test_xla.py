@@ -62,6 +62,32 @@ def assert_compiles_settle(rec: dict, stderr: str, after: int) -> None:
         f"XLA kept compiling after step {after}: {counts}\ncompile causes:\n{compile_causes(stderr)}")
 
 
+PRODUCTION = "configs/pretrain_multi_domain.yaml"
+
+
+def test_production_code_paths_compile_the_step_once_more_at_most(tiny_cache, tmp_path):
+    """The production config (stem with peak pooling, max pooling, the local term, bf16 autocast,
+    loader workers, validation), scaled down in width, depth and crop only: the step's graph is
+    compiled at step 1 and, at most, once more at step 2 (on PJRT's CPU backend the weights come
+    back from the first step in another layout: docs/accelerators.md); validation compiles its
+    own graph once; nothing after."""
+    args = [f"name=prod", f"runs_dir={tmp_path / 'runs'}", f"data.cache={tiny_cache}", "data.input_shape=[16,64,64]",
+            "data.workers=2", "batch_size=4", "max_steps=8", "log_every=1", "val_every=3", "val_batches=1",
+            "ckpt_every=4", "model.dim=32", "model.depth=2", "model.heads=2", "model.pred_dim=16", "model.pred_depth=1",
+            "model.pred_heads=2", "optim.warmup_steps=2", "wandb.enabled=false", "precision=bf16", "device=xla"]
+    env = {**os.environ, **xla_env(tmp_cache=tmp_path / "xc")}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "train.pretrain", "--config", PRODUCTION,
+                        "--no-progress", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    assert "objective: V-JEPA latent prediction + local intensity term" in r.stdout
+    rec = records(tmp_path / "runs" / "prod")
+    counts = {s: x["xla_compiles"] for s, x in rec.items()}
+    causes = compile_causes(r.stderr)
+    assert counts[2] == counts[3], f"a new graph at step 3: {counts}\n{causes}"
+    assert len({counts[s] for s in range(4, 9)}) == 1, f"validation or the step compiled again: {counts}\n{causes}"
+    assert len(records(tmp_path / "runs" / "prod", split="val")) == 2
+
+
 def test_compiles_once_across_logging_checkpoints_ema_and_the_online_probe(tiny_cache, tmp_path):
     """The online probe (step 0 and every 5 steps) compiles its own graph once and adds no
     recompilation of the training step."""
@@ -181,3 +207,20 @@ def test_finetune_compiles_once_across_epochs(tiny_cache, tmp_path):
     counts = [h["xla_compiles"] for h in hist]
     assert len(counts) == 4 and counts[0] > 0
     assert counts[2] == counts[3], f"compiles per epoch {counts}\n{compile_causes(r.stderr)}"
+
+
+def test_the_tpu_extra_installs_on_the_declared_python():
+    """The lane's venv holds the `tpu` extra's pins, on a Python pyproject.toml allows, and
+    torch_xla's own metadata allows that Python too."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    here = ".".join(map(str, sys.version_info[:3]))
+    assert here in SpecifierSet(project["requires-python"])
+    for r in map(Requirement, project["optional-dependencies"]["tpu"]):
+        assert md.version(r.name).split("+")[0] in r.specifier, (r, md.version(r.name))
+        assert here in SpecifierSet(md.metadata(r.name).get("Requires-Python") or ">=0")

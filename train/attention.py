@@ -1,0 +1,129 @@
+"""Attention for every backend behind one function, `attend`, which the model's blocks call.
+
+The kernel is chosen by where the tensors live, so model code never names a backend:
+
+- TPU (torch_xla): the Pallas flash-attention kernel of torch_xla. Its memory is linear in the
+  sequence; XLA's own lowering of SDPA is the math path, which materialises [B, H, N, N]
+  scores (11 GB per predictor layer at the production config: docs/accelerators.md).
+- CUDA: SDPA restricted to its flash, memory-efficient and cuDNN kernels. The math kernel is
+  never allowed: where none of the three applies the call fails and says so, instead of
+  silently running out of memory at ViT-B shapes.
+- CPU, and torch_xla on its CPU backend (the test lane): SDPA as PyTorch chooses (its CPU flash
+  kernel without a mask, the math path with one).
+
+`keep` [B, N] (bool, None for all) marks the tokens others may attend to (a padded context).
+On the TPU kernel it becomes segment ids; the sequence is padded to the kernel's block size
+with a segment of its own, because torch_xla pads keys with zeros that would otherwise take
+part in the softmax.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Kernels by name, and how their memory grows with the sequence length N (the plan's input).
+PALLAS_FLASH = "pallas-flash"
+SDPA_FUSED = "sdpa-fused"   # CUDA: flash / memory-efficient / cuDNN, never math
+SDPA = "sdpa"               # CPU: PyTorch's choice
+MATH = "math"               # XLA off TPU: the scores in full
+MEMORY = {PALLAS_FLASH: "linear", SDPA_FUSED: "linear", SDPA: "linear", MATH: "quadratic"}
+
+# The Pallas kernel's block sizes along the sequence (torch_xla's FlashAttention defaults): a
+# sequence longer than one q block must be a whole number of them.
+PALLAS_MIN_BLOCK, PALLAS_BLOCK = 128, 512
+
+
+def kernel_for(device_type: str, platform: str | None = None) -> str:
+    """The kernel `attend` uses for tensors on `device_type` (cpu, cuda, xla); for xla,
+    `platform` is the PJRT device type (TPU, CPU, ...)."""
+    if device_type == "cuda":
+        return SDPA_FUSED
+    if device_type == "xla":
+        return PALLAS_FLASH if platform == "TPU" else MATH
+    return SDPA
+
+
+@functools.lru_cache(maxsize=None)
+def xla_platform() -> str:
+    """The PJRT device type of this process (TPU, CPU, CUDA), read once."""
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q, k, v [B, H, N, Dh] (scale 1/sqrt(Dh)), keys limited to `keep`."""
+    kind = q.device.type
+    kernel = kernel_for(kind, xla_platform() if kind == "xla" else None)
+    return KERNELS[kernel](q, k, v, keep)
+
+
+def _mask(keep: torch.Tensor | None) -> torch.Tensor | None:
+    return None if keep is None else keep[:, None, None, :]
+
+
+def sdpa(q, k, v, keep=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+
+
+def sdpa_fused(q, k, v, keep=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+
+
+def pallas_length(n: int) -> int:
+    """The sequence length the Pallas kernel is given for n tokens: one block of a multiple of
+    128 up to 512 tokens, else a multiple of 512."""
+    block = PALLAS_MIN_BLOCK if n <= PALLAS_BLOCK else PALLAS_BLOCK
+    return -(-n // block) * block
+
+
+def flash_call():
+    """torch_xla's Pallas flash attention (a function, so tests can stand a reference in)."""
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    return flash_attention
+
+
+def spmd_layout():
+    """(partition_spec, mesh) for the kernel under SPMD: the batch sharded over the mesh's data
+    axis (runtime.setup sets the global mesh); (None, None) without a mesh."""
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh()
+    return (None, None) if mesh is None else (("data", None, None, None), mesh)
+
+
+def pallas_flash(q, k, v, keep=None):
+    """The TPU kernel. Padding and `keep` become segment ids (1 real, 0 not): a real query sees
+    only real keys; a padding query sees padding (its output is dropped or never read)."""
+    b, _, n, dh = q.shape
+    n_pad = pallas_length(n)
+    seg = None
+    if keep is not None or n_pad != n:
+        seg = torch.ones(b, n, dtype=torch.int32, device=q.device) if keep is None else keep.to(torch.int32)
+        if n_pad != n:
+            q, k, v = (F.pad(t, (0, 0, 0, n_pad - n)) for t in (q, k, v))
+            seg = F.pad(seg, (0, n_pad - n))
+    spec, mesh = spmd_layout()
+    o = flash_call()(q, k, v, causal=False, q_segment_ids=seg, kv_segment_ids=seg, sm_scale=1.0 / math.sqrt(dh),
+                     partition_spec=spec, mesh=mesh)
+    return o[:, :, :n]
+
+
+def math_attention(q, k, v, keep=None):
+    """SDPA's math path (XLA's lowering off TPU): scores [B, H, N, N] in full."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.device.type == "xla":  # torch_xla lowers SDPA itself; the context manager is for eager CPU/CUDA
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+    with sdpa_kernel([SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+
+
+KERNELS = {PALLAS_FLASH: pallas_flash, SDPA_FUSED: sdpa_fused, SDPA: sdpa, MATH: math_attention}

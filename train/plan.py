@@ -1,0 +1,280 @@
+"""`make plan CONFIG=... ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200> [CHIPS=N]`: will it fit?
+
+An analytic per-chip memory plan of a pretraining config at its real shapes (token counts from
+the same mask calibration the trainer runs), with the attention kernel `train.attention` routes
+to on that accelerator: parameters, the EMA target, gradients, AdamW state, the update guard's
+copies (XLA), and per sample the activations kept for the backward, block by block. It says
+whether the config's batch fits, with what margin, and the largest batch per chip that does.
+
+Activation bytes follow what autograd saves (counted per tensor in tests/test_plan.py, which
+holds the formulas within 10% of `saved_bytes` on a CPU): under bf16 autocast the residual
+stream and layer-norm inputs are float32, matmul inputs and outputs bfloat16. It is an estimate:
+XLA and the CUDA caching allocator add fragmentation and workspace, so a config should keep the
+printed headroom (docs/accelerators.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from octfm import cli, config
+from train import attention, masks
+from train.config import TrainConfig
+
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    device: str               # the runtime's kind: xla or cuda
+    platform: str | None      # PJRT device type for xla
+    memory_gib: float         # per chip
+    chips_per_host: int       # chips one process feeds (XLA SPMD: a host; CUDA: one process per GPU)
+    bf16_tflops: float        # dense peak per chip, for MFU
+    usable: float             # the share of memory a plan may fill (runtime, compiler and allocator keep the rest)
+
+
+# Per chip. TPU: HBM per chip and chips per host of the Cloud TPU VM types; CUDA: one process per
+# GPU, the memory torch reports on the lent cards (docs/accelerators.md).
+ACCELERATORS = {
+    "tpu-v4": Accelerator("xla", "TPU", 32.0, 4, 275.0, 0.90),
+    "tpu-v5e": Accelerator("xla", "TPU", 16.0, 4, 197.0, 0.90),
+    "tpu-v5p": Accelerator("xla", "TPU", 95.0, 4, 459.0, 0.90),
+    "h100": Accelerator("cuda", None, 79.2, 1, 989.0, 0.90),
+    "h200": Accelerator("cuda", None, 139.8, 1, 989.0, 0.90),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The token counts and widths a step runs at."""
+    voxels: int                      # D x H x W of one crop
+    tokens: int                      # the full grid (the target encoder's sequence)
+    context: tuple[int, ...]         # context tokens per mask set (the encoder's sequences)
+    targets: tuple[int, ...]         # target tokens per mask set
+    stem: tuple[int, ...]
+    local_cells: int                 # the local head's outputs per token (0: no local term)
+    dim: int
+    depth: int
+    heads: int
+    mlp_ratio: float
+    pred_dim: int
+    pred_depth: int
+    pred_heads: int
+
+
+def shapes(cfg: TrainConfig) -> Shapes:
+    from train.model import cells_per_tubelet
+
+    m = cfg.model
+    grid = masks.grid_for(cfg.data.input_shape, m.tubelet)
+    sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
+    local = 2 * math.prod(cells_per_tubelet(m.tubelet, cfg.loss.local_cell)) if cfg.loss.local > 0 else 0
+    return Shapes(math.prod(cfg.data.input_shape), grid.tokens, tuple(s.context_cells * grid.depth for s in sizes),
+                  tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, m.dim, m.depth, m.heads,
+                  m.mlp_ratio, m.pred_dim, m.pred_depth, m.pred_heads)
+
+
+def parameter_counts(cfg: TrainConfig) -> dict[str, int]:
+    """Parameters of the student (encoder, predictor, local head), of the encoder alone (the EMA
+    copy) and in the student's weight matrices (autocast's copies), counted on the meta device."""
+    from train.model import JEPA
+
+    with torch.device("meta"):
+        model = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
+    return {"student": sum(p.numel() for p in model.parameters()),
+            "encoder": sum(p.numel() for p in model.encoder.parameters()),
+            "matrices": sum(p.numel() for p in model.parameters() if p.ndim > 1)}
+
+
+def attention_saved(length: int, heads: int, dim: int, act: int, kernel: str) -> int:
+    """Bytes an attention call keeps for its backward beyond q, k, v (views of the qkv output):
+    its output and row statistics (log-sum-exp) on a fused kernel; on the math path the
+    probabilities [H, N, N] and q, k, v upcast, all in float32 (PyTorch upcasts bf16 there):
+    quadratic in the length."""
+    if attention.MEMORY[kernel] == "linear":
+        return length * (act * dim + 4 * heads)
+    return 4 * heads * length * length + length * (3 * 4 * dim + act * dim)
+
+
+def block_saved(length: int, dim: int, heads: int, mlp_ratio: float, act: int, kernel: str) -> int:
+    """One pre-norm transformer block over `length` tokens: the float32 residual into both norms
+    and their statistics, the norms' outputs as the linears' inputs (cast to `act` bytes), the
+    qkv output (q, k and v are views of it), fc1's output and the GELU's, and attention's own."""
+    hidden = int(dim * mlp_ratio)
+    per_token = 2 * (4 * dim + 8) + 2 * dim * act + 3 * dim * act + 2 * hidden * act
+    return length * per_token + attention_saved(length, heads, dim, act, kernel)
+
+
+def weight_casts(params: dict, act: int) -> int:
+    """Copies of every weight matrix in `act` bytes (bf16 autocast makes one per step and keeps
+    it for the backward); none in float32."""
+    return 0 if act == 4 else act * params["matrices"]
+
+
+def stem_saved(shp: Shapes, act: int) -> int:
+    """The stem and the patchify: the input cast for the first convolution's weight gradient,
+    each convolution's output (GELU input) and GELU output (the next input, the peak pool's
+    input, and a permuted copy the patchify's matmul keeps)."""
+    v = shp.voxels * act  # the normalised volume, cast
+    c_in = 1
+    total = v
+    area = shp.voxels
+    for c in shp.stem:
+        area //= 4  # each stem convolution halves rows and columns
+        total += 2 * c * area * act  # conv out (GELU's input) and GELU out
+        c_in = c
+    if shp.stem:
+        total += c_in * area * act  # the patchify's permuted copy of the last GELU output
+        total += c_in * shp.tokens * 8  # the peak pool's int64 indices
+    return total
+
+
+def sequence_saved(shp: Shapes, act: int, kernel: str) -> dict[str, int]:
+    """Activation bytes per sample kept for the backward, by part."""
+    enc = sum(shp.depth * block_saved(n, shp.dim, shp.heads, shp.mlp_ratio, act, kernel) for n in shp.context)
+    enc += sum(n * (4 * shp.dim + 8) for n in shp.context)  # the final norm's input
+    pred = 0
+    for c, t in zip(shp.context, shp.targets):
+        pred += shp.pred_depth * block_saved(c + t, shp.pred_dim, shp.pred_heads, shp.mlp_ratio, act, kernel)
+        pred += c * shp.dim * act                            # the embedding's input
+        pred += t * (4 * shp.pred_dim + 8 + shp.pred_dim * act)  # the final norm's input, the output linear's
+        pred += t * shp.dim * 4                              # the L1's difference (float32)
+    local = sum(n * (shp.dim * act + shp.local_cells * 4) for n in shp.context) if shp.local_cells else 0
+    return {"stem": stem_saved(shp, act), "encoder": enc, "predictor": pred, "local_head": local}
+
+
+def target_pass(shp: Shapes, act: int, kernel: str) -> tuple[int, int]:
+    """(kept, transient) bytes per sample of the EMA target's pass over all tokens (no grad):
+    the float32 targets kept for the loss, and the largest block's working set while it runs."""
+    n, d = shp.tokens, shp.dim
+    hidden = int(d * shp.mlp_ratio)
+    work = n * (2 * 4 * d + d * act + 3 * d * act + 2 * hidden * act)
+    if attention.MEMORY[kernel] == "quadratic":
+        work += 2 * 4 * shp.heads * n * n
+    stem = shp.voxels * (4 + act) + sum(2 * c * shp.voxels // 4 ** (i + 1) * act for i, c in enumerate(shp.stem))
+    return n * d * 4, max(work, stem)
+
+
+@dataclasses.dataclass
+class Plan:
+    config: str
+    accel: str
+    chips: int
+    kernel: str
+    shapes: Shapes
+    batch_per_chip: float
+    global_batch: int
+    params_m: float
+    static_gib: dict
+    per_sample_gib: dict
+    step_extra_gib: float     # the update guard's copies at the optimizer step (XLA), activations freed
+    peak_gib: float
+    capacity_gib: float
+    fits: bool
+    margin_gib: float
+    largest_batch: int
+
+    def lines(self) -> list[str]:
+        shp, b = self.shapes, self.batch_per_chip
+        verdict = "fits" if self.fits else "does NOT fit"
+        seqs = ", ".join(f"{c} + {t}" for c, t in zip(shp.context, shp.targets))
+        rows = [(k, v) for k, v in self.static_gib.items()]
+        rows += [(f"{k} x {b:g}", v * b) for k, v in self.per_sample_gib.items()]
+        width = max(len(k) for k, _ in rows) + 2
+        return [
+            f"plan: {self.config} on {self.chips} x {self.accel}: attention {self.kernel} "
+            f"({attention.MEMORY[self.kernel]} in the sequence)",
+            f"  {self.params_m:.1f} M student parameters; {shp.tokens} tokens per sample, per mask set context + "
+            f"targets {seqs} (the predictor's sequence)",
+            f"  batch {b:g} per chip, {self.global_batch} global",
+            "  GiB per chip:",
+            *(f"    {k:<{width}}{v:8.2f}" for k, v in rows),
+            f"    {'peak (forward and backward)':<{width}}{self.peak_gib:8.2f}   of {self.capacity_gib:.1f} usable"
+            + (f" (the step adds {self.step_extra_gib:.2f} for the update guard's copies, activations freed)"
+               if self.step_extra_gib else ""),
+            f"plan: the config {verdict} on {self.accel} at batch {b:g} per chip: margin {self.margin_gib:+.2f} GiB; "
+            f"the largest batch that fits is {self.largest_batch} per chip",
+        ]
+
+
+def batch_per_chip(cfg: TrainConfig, acc: Accelerator, chips: int) -> tuple[float, int]:
+    """(per chip, global): the config's batch_size is per process, which feeds a host's chips
+    under XLA SPMD and one GPU under DDP."""
+    per_process = min(chips, acc.chips_per_host)
+    processes = max(1, chips // per_process)
+    return cfg.batch_size / per_process, cfg.batch_size * processes
+
+
+def memory(shp: Shapes, params: dict, acc: Accelerator, act: int, kernel: str) -> tuple[dict, dict, int]:
+    """(static parts, per-sample parts, extra at the optimizer step) in bytes."""
+    ps, pe = params["student"], params["encoder"]
+    static = {"weights (student, fp32)": 4 * ps, "EMA target encoder": 4 * pe, "gradients": 4 * ps,
+              "AdamW moments": 8 * ps, "bf16 weight copies": weight_casts(params, act)}
+    if acc.device == "cuda":
+        static["DDP gradient buckets"] = 4 * ps
+    per_sample = sequence_saved(shp, act, kernel)
+    kept, transient = target_pass(shp, act, kernel)
+    per_sample["targets (fp32)"] = kept
+    biggest_block = max(block_saved(c + t, shp.pred_dim, shp.pred_heads, shp.mlp_ratio, act, kernel)
+                        for c, t in zip(shp.context, shp.targets))
+    biggest_block = max(biggest_block, *(block_saved(n, shp.dim, shp.heads, shp.mlp_ratio, act, kernel)
+                                         for n in shp.context))
+    per_sample["working set (target pass or a block's backward)"] = max(transient, 2 * biggest_block)
+    # XLA's update guard copies the weights and AdamW state before the step (copy-and-select)
+    step_extra = 12 * ps if acc.device == "xla" else 0
+    return static, per_sample, step_extra
+
+
+def peak(static: dict, per_sample: dict, step_extra: int, batch: float) -> float:
+    base = sum(static.values())
+    return max(base + batch * sum(per_sample.values()), base + step_extra)
+
+
+def make_plan(cfg: TrainConfig, accel: str, chips: int | None = None, name: str = "config",
+              kernel: str | None = None) -> Plan:
+    """The plan on `chips` chips of `accel` (default one host's), with the attention kernel the
+    model routes to there (or `kernel`, to show what another would need)."""
+    if accel not in ACCELERATORS:
+        raise cli.UsageError(f"ACCEL={accel!r}: one of {', '.join(ACCELERATORS)}")
+    acc = ACCELERATORS[accel]
+    chips = chips or acc.chips_per_host
+    kernel = kernel or attention.kernel_for(acc.device, acc.platform)
+    act = 2 if cfg.precision == "bf16" else 4
+    shp = shapes(cfg)
+    params = parameter_counts(cfg)
+    per_chip, global_batch = batch_per_chip(cfg, acc, chips)
+    static, per_sample, step_extra = memory(shp, params, acc, act, kernel)
+    capacity = acc.memory_gib * acc.usable * GIB
+    need = peak(static, per_sample, step_extra, per_chip)
+    fixed, each = sum(static.values()), sum(per_sample.values())
+    largest = max(0, int((capacity - fixed) // each)) if fixed + step_extra <= capacity else 0
+    return Plan(name, accel, chips, kernel, shp, per_chip, global_batch, params["student"] / 1e6,
+                {k: v / GIB for k, v in static.items()}, {k: v / GIB for k, v in per_sample.items()},
+                step_extra / GIB, need / GIB, capacity / GIB, need <= capacity, (capacity - need) / GIB, largest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make plan", description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--accel", required=True, choices=sorted(ACCELERATORS))
+    ap.add_argument("--chips", type=int, default=None, help="chips in all (default: one host's)")
+    ap.add_argument("--kernel", choices=sorted(attention.MEMORY), default=None,
+                    help="plan with this attention kernel instead of the one the model routes to")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides (make ARGS)")
+    a = ap.parse_args(argv)
+    cfg = config.load(TrainConfig, a.config, a.overrides)
+    plan = make_plan(cfg, a.accel, a.chips, name=a.config, kernel=a.kernel)
+    if plan.batch_per_chip != int(plan.batch_per_chip):
+        raise cli.UsageError(f"{a.config}: batch_size {cfg.batch_size} does not divide over the "
+                             f"{min(plan.chips, ACCELERATORS[a.accel].chips_per_host)} chips of a {a.accel} host")
+    print("\n".join(plan.lines()))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    cli.run(main)
