@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -48,6 +48,9 @@ help:
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo "make test-heavy      the heavy lane: kill -9 faults, a store going away, thousands of volumes"
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
+	@echo "make plan CONFIG=... ACCEL=tpu-v4|tpu-v5e|tpu-v5p|h100|h200 [CHIPS=N]   per-chip memory: does it fit, the largest batch"
+	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
+	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make learning-check  [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
@@ -111,6 +114,35 @@ xla-venv:
 
 test-xla: xla-venv
 	PJRT_DEVICE=CPU OCTFM_REQUIRE_XLA=1 $(XPY) -m pytest -q tests/xla
+
+# The analytic memory plan of a pretraining config on an accelerator (train/plan.py); exit 1 when it does not fit.
+ACCEL ?= tpu-v4
+CHIPS ?=
+plan: $(STAMP)
+	@test -n "$(CONFIG)" || { echo "make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>" >&2; exit 2; }
+	$(PY) -m train.plan --config $(CONFIG) --accel $(ACCEL) $(if $(CHIPS),--chips $(CHIPS)) $(ARGS)
+
+# A GPU machine lent without network: the wheels its image lacks (bench/device_wheels.txt) for its Python,
+# and a copy of facebookresearch/vjepa2's src/ and app/ for the reference step, in the ignored .device/.
+DEVICE     := .device
+WHEEL_PY   ?= 3.12
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+wheelhouse: $(STAMP)
+	rm -rf $(DEVICE)/wheels && mkdir -p $(DEVICE)/wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
+	  $(WHEEL_PLATFORMS) -d $(DEVICE)/wheels -r bench/device_wheels.txt
+	@if [ -n "$(VJEPA2_SRC)" ]; then rm -rf $(DEVICE)/vjepa2 && mkdir -p $(DEVICE)/vjepa2 && \
+	  git -C $(VJEPA2_SRC) archive HEAD src app | tar -x -C $(DEVICE)/vjepa2 && \
+	  git -C $(VJEPA2_SRC) rev-parse --short HEAD > $(DEVICE)/vjepa2/COMMIT; fi
+	@du -sh $(DEVICE)/wheels $(wildcard $(DEVICE)/vjepa2) | sed 's/^/wheelhouse: /'
+
+# On the GPU machine (its own python3; no venv, no network): the wheels into a temporary site folder, then the check.
+DEVICE_PY ?= python3
+device-check:
+	@test -n "$(OUT)" || { echo "make device-check: set OUT=<folder for device_check.json and .md>" >&2; exit 2; }
+	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
+	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
+	  PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m bench.device_check --out $(OUT) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)

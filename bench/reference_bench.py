@@ -60,7 +60,7 @@ variants = {variants!r}
 trainers = {{}}
 for name, extra in variants.items():
     cfg = config.load(TrainConfig, {config!r}, {overrides!r} + extra)
-    trainers[name] = pretrain.Trainer(cfg, runtime.setup("cpu", cfg.precision))
+    trainers[name] = pretrain.Trainer(cfg, runtime.setup({device!r}, cfg.precision))
 tr = next(iter(trainers.values()))
 cfg = tr.cfg
 _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
@@ -81,6 +81,7 @@ def make_ref(bf16):
         img_size=(h, w), patch_size=m.tubelet[1], num_frames=d, tubelet_size=m.tubelet[0], embed_dim=m.dim,
         predictor_embed_dim=m.pred_dim, depth=m.pred_depth, num_heads=m.pred_heads, mlp_ratio=m.mlp_ratio,
         use_mask_tokens=True, num_mask_tokens=len(cfg.mask.sets), use_sdpa=True, use_rope={rope!r}))
+    enc, pred = enc.to(tr.rt.device), pred.to(tr.rt.device)
     target = copy.deepcopy(enc)
     for p in target.parameters():
         p.requires_grad = False
@@ -96,7 +97,7 @@ def make_ref(bf16):
         m_enc = [[b[f"ctx_{{i}}"].long() for i in range(n)]]  # vjepa2 gathers with int64 ids (octfm's are int32)
         m_pred = [[b[f"tgt_{{i}}"].long() for i in range(n)]]
         sched.step(); wd_sched.step()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(tr.rt.device.type, dtype=torch.bfloat16, enabled=bf16):
             with torch.no_grad():
                 hh = [F.layer_norm(hi, (hi.size(-1),)) for hi in target([x])]
             z = pred(enc([x], m_enc), m_enc, m_pred)
@@ -117,7 +118,8 @@ def make_ref(bf16):
     params = sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in pred.parameters())
     return step, params
 
-steps = {{name: (lambda b, t=t: float(t.update([b], t.model)[0])) for name, t in trainers.items()}}
+nets = {{name: t.network() for name, t in trainers.items()}}  # compiled in place where the variant says so
+steps = {{name: (lambda b, t=t, n=nets[name]: float(t.update([b], n)[0])) for name, t in trainers.items()}}
 for name, bf16 in {references!r}.items():
     steps[name], ref_params = make_ref(bf16)
 warm = {{}}
@@ -135,14 +137,14 @@ for r in range({rounds}):
         times[name].append((time.perf_counter() - t) / {steps})
 ctx = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("ctx_")]
 tgt = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("tgt_")]
-print(json.dumps({{"times": times, "warmup_s": warm, "context_tokens": ctx, "target_tokens": tgt,
+print(json.dumps({{"device": torch.cuda.get_device_name() if {device!r} == "cuda" else "CPU", "times": times, "warmup_s": warm, "context_tokens": ctx, "target_tokens": tgt,
                   "params_m": {{"octfm": sum(p.numel() for p in tr.model.parameters()) / 1e6,
                                "vjepa2": ref_params / 1e6}},
                   "torch": torch.__version__, "threads": torch.get_num_threads()}}))
 """
 
 
-def _timm_shim(root: Path) -> str:
+def timm_shim(root: Path) -> str:
     """'' when timm imports here; else a folder holding the stand-in (see the module docstring)."""
     if subprocess.run([sys.executable, "-c", "import timm.models.layers"], capture_output=True).returncode == 0:
         return ""
@@ -155,8 +157,35 @@ def _timm_shim(root: Path) -> str:
 
 
 def _commit(src: str) -> str:
-    r = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+    """The checkout's commit: a copy without git (make wheelhouse's) keeps it in COMMIT; a git
+    checkout says it (not the repository around a copy)."""
+    marker = Path(src) / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    r = subprocess.run(["git", "-C", src, "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                       text=True)
+    lines = r.stdout.split()
+    if r.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == Path(src).resolve():
+        return lines[1]
+    return "unknown"
+
+
+def measure(src: str, shim: str, config: str, overrides: list[str], device: str = "cpu",
+            variants: dict = VARIANTS, references: dict = REFERENCES, warmup: int = 5, rounds: int = 5,
+            steps: int = 8) -> dict:
+    """Both steps in one subprocess at equal work, alternating rounds (see the module docstring)."""
+    code = _CODE.format(src=str(Path(src).resolve()), shim=shim, variants=variants, references=references,
+                        config=config, overrides=overrides, device=device, rope=False, warmup=warmup, rounds=rounds,
+                        steps=steps)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def check_checkout(src: str) -> None:
+    if not (Path(src) / "src" / "models" / "vision_transformer.py").exists():
+        raise FileNotFoundError(f"{src}: no src/models/vision_transformer.py (not a vjepa2 checkout)")
 
 
 def run(workdir: Path, quick: bool = False):
@@ -165,23 +194,17 @@ def run(workdir: Path, quick: bool = False):
         return {"skipped": "VJEPA2_SRC not set"}, [
             "## Training step beside facebookresearch/vjepa2", "",
             "Not run: set VJEPA2_SRC=<a checkout of facebookresearch/vjepa2> (make bench ARGS='--only reference')."]
-    if not (Path(src) / "src" / "models" / "vision_transformer.py").exists():
-        raise FileNotFoundError(f"VJEPA2_SRC={src}: no src/models/vision_transformer.py (not a vjepa2 checkout)")
+    check_checkout(src)
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     cache = _make_cache(workdir)
-    shim = _timm_shim(workdir)
+    shim = timm_shim(workdir)
     base = [f"data.cache={cache}", f"runs_dir={workdir / 'runs'}"] + CPU + VITS
-    code = _CODE.format(src=str(Path(src).resolve()), shim=shim, variants=VARIANTS, references=REFERENCES,
-                        config=SMOKE, overrides=base,
-                        rope=False, warmup=3 if quick else 5, rounds=2 if quick else 5, steps=3 if quick else 8)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-3000:])
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = measure(src, shim, SMOKE, base, warmup=3 if quick else 5, rounds=2 if quick else 5, steps=3 if quick else 8)
     shutil.rmtree(workdir, ignore_errors=True)
-    return summarise(res, src, shim)
+    return summarise(res, src, shim, "ViT-S class (dim 384, depth 6, heads 6; predictor 192 x 4), 32x96x96, tubelet "
+                                     "4x16x16 (288 tokens), batch 2")
 
 
 def _precision(name: str) -> str:
@@ -189,23 +212,24 @@ def _precision(name: str) -> str:
 
 
 def _ratio(res: dict, name: str) -> str:
-    return "-" if name in REFERENCES else f"{res['ratio'][name]:.2f}x"
+    return "-" if name.startswith("vjepa2") else f"{res['ratio'][name]:.2f}x"
 
 
-def summarise(res: dict, src: str, shim: str):
+def summarise(res: dict, src: str, shim: str, size: str, precision: str = "fp32"):
+    """Ratios against the reference at each contender's precision; the verdict reads `precision`."""
     med = {k: statistics.median(v) for k, v in res["times"].items()}
-    ref = {_precision(k): med[k] for k in REFERENCES}
-    res.update(median_step_s=med, ratio={k: ref[_precision(k)] / v for k, v in med.items() if k not in REFERENCES},
+    ref = {_precision(k): med[k] for k in med if k.startswith("vjepa2")}
+    res.update(median_step_s=med, ratio={k: ref[_precision(k)] / v for k, v in med.items() if not k.startswith("vjepa2")},
                vjepa2_commit=_commit(src), timm="stand-in (drop_path unused at rate 0)" if shim else "installed")
-    fp32 = {k: r for k, r in res["ratio"].items() if _precision(k) == "fp32"}
-    best = max(fp32, key=fp32.get)
-    ok = fp32[best] >= TARGET
+    same = {k: r for k, r in res["ratio"].items() if _precision(k) == precision}
+    best = max(same, key=same.get)
+    ok = same[best] >= TARGET
     rounds = len(next(iter(res["times"].values())))
     lines = [
         "## Training step beside facebookresearch/vjepa2 (equal work: the same batches, context and target ids)",
         "",
-        f"ViT-S class (dim 384, depth 6, heads 6; predictor 192 x 4), 32x96x96, tubelet 4x16x16 (288 tokens), batch 2, "
-        f"CPU, {res['threads']} threads, torch {res['torch']}; context tokens per mask set {res['context_tokens']}, "
+        f"{size}, {res['device']}" + (f", {res['threads']} threads" if res["device"] == "CPU" else "")
+        + f", torch {res['torch']}; context tokens per mask set {res['context_tokens']}, "
         f"targets {res['target_tokens']}; vjepa2 {res['vjepa2_commit']} (sin-cos positions; timm {res['timm']}). "
         f"Median of {rounds} alternating rounds; each ratio against the reference at the same precision.",
         "",
@@ -214,7 +238,7 @@ def summarise(res: dict, src: str, shim: str):
         *(f"| {k} | {med[k] * 1000:.0f} | {', '.join(f'{t * 1000:.0f}' for t in res['times'][k])} | "
           f"{res['warmup_s'][k]:.1f} | {_ratio(res, k)} |" for k in med),
         "",
-        f"Verdict: at equal work in float32, {best} is {fp32[best]:.2f}x the reference's step (target >= {TARGET}x): "
+        f"Verdict: at equal work in {precision}, {best} is {same[best]:.2f}x the reference's step (target >= {TARGET}x): "
         f"{'met' if ok else 'NOT met'}.",
     ]
     return res, lines

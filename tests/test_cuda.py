@@ -1,0 +1,130 @@
+"""The CUDA path (marker `cuda`; skipped without a GPU; `make device-check` runs them on a lent
+H100/H200): a bf16 step through the fused attention kernels, the fused-AdamW skip deciding as
+the CPU does, the prefetcher's side-stream copies in order, compiled and eager steps agreeing,
+one fine-tuning epoch, and `make embed` in bf16."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import run_cli, same_optimizer, same_weights, tiny_train_args
+from octfm import config
+from train import attention, pretrain, runtime
+from train.config import TrainConfig
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (make device-check runs these)")]
+
+SMOKE = "configs/pretrain_smoke.yaml"
+
+
+def trainer(cache, tmp_path, **kw) -> pretrain.Trainer:
+    args = tiny_train_args(cache, tmp_path, device="cuda", precision="bf16", **kw)
+    cfg = config.load(TrainConfig, SMOKE, args)
+    return pretrain.Trainer(cfg, runtime.setup("cuda", cfg.precision))
+
+
+def batches(tr: pretrain.Trainer, n: int) -> list[dict]:
+    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0, stop_batch=n)
+    return [tr.rt.to_device(b) for b in dl]
+
+
+def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
+    tr = trainer(tiny_cache, tmp_path, max_steps=20)
+    assert tr.rt.bf16 and attention.kernel_for("cuda") == attention.SDPA_FUSED
+    bs = batches(tr, 4)
+    first = None
+    for i in range(20):
+        tr.advance_schedules()
+        loss, gnorm, _ = tr.update([bs[i % 4]], tr.model)
+        first = float(loss) if first is None else first
+        assert torch.isfinite(loss) and torch.isfinite(gnorm)
+    assert float(loss) < first and int(tr.skipped) == 0
+    # the fused kernels alone: a math fallback would have raised inside sdpa_kernel
+    q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.reset_peak_memory_stats()
+    attention.attend(q, q, q)
+    assert torch.cuda.max_memory_allocated() < 2 * 4 * 3000 * 3000  # no [B, H, N, N] bf16 scores
+
+
+def test_the_fused_adamw_skip_decides_as_the_cpu(tiny_cache, tmp_path):
+    """A spiked and a NaN loss on CUDA leave weights, EMA target and AdamW state bit-identical
+    (fused AdamW's found_inf), as the CPU run of the same code does."""
+    out = {}
+    for dev in ("cpu", "cuda"):
+        args = tiny_train_args(tiny_cache, tmp_path / dev, device=dev, precision="fp32")
+        cfg = config.load(TrainConfig, SMOKE, args)
+        tr = pretrain.Trainer(cfg, runtime.setup(dev, cfg.precision))
+        assert pretrain.guard_path(tr.opt, torch.zeros((), dtype=torch.bool, device=dev)) == "found_inf"
+        bs = batches(tr, 3)
+        states, skipped = [], []
+        for i, scale in enumerate([1.0, 1e4, float("nan"), 1.0]):
+            pretrain.set_scalar(tr.loss_scale, scale)
+            tr.advance_schedules()
+            tr.update([bs[i % 3]], tr.model)
+            st = tr.state()
+            states.append(copy.deepcopy({k: st[k] for k in ("model", "target", "optimizer")}))
+            skipped.append(int(st["skipped_updates"]))
+        out[dev] = skipped
+        assert same_weights(states[0], states[1]) and same_optimizer(states[0], states[1])
+        assert same_weights(states[1], states[2]) and same_optimizer(states[1], states[2])
+        assert not same_weights(states[2], states[3])
+    assert out["cpu"] == out["cuda"] == [0, 1, 2, 2]
+
+
+def test_the_prefetcher_hands_out_side_stream_copies_in_order():
+    def loader():
+        for i in range(6):
+            yield {"x": torch.full((64, 1024), float(i)).pin_memory(), "aug": torch.tensor([i]).pin_memory()}
+
+    seen = []
+    for b in runtime.Prefetcher(loader(), "cuda"):
+        assert b["x"].is_cuda
+        seen.append(int(b["aug"][0]))
+        assert torch.all(b["x"] == seen[-1])  # the compute stream sees the finished copy
+        torch.cuda._sleep(1_000_000)           # a slow step: the next copy runs meanwhile
+    assert seen == list(range(6))
+
+
+def test_compiled_and_eager_steps_agree(tiny_cache, tmp_path):
+    losses = {}
+    for compile_ in (False, True):
+        torch.manual_seed(0)
+        tr = trainer(tiny_cache, tmp_path / str(compile_), compile=str(compile_).lower(), precision="fp32")
+        net = tr.network()
+        bs = batches(tr, 3)
+        out = []
+        for i in range(3):
+            tr.advance_schedules()
+            out.append(float(tr.update([bs[i]], net)[0]))
+        losses[compile_] = out
+    np.testing.assert_allclose(losses[True], losses[False], rtol=2e-3)
+
+
+def test_one_finetuning_epoch_on_cuda(signal_cache, tmp_path):
+    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", "device=cuda",
+                *tiny_train_args(signal_cache, tmp_path / "runs", name="p", max_steps=2, ckpt_every=2))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = tmp_path / "runs" / "p" / "checkpoints" / "step_0000002.pt"
+    r = run_cli("evals.finetune", "--no-progress", "--ckpt", str(ckpt), f"out={tmp_path / 'ft'}", "epochs=1",
+                "device=cuda", "precision=bf16", "workers=0", "batch_size=4", "bootstrap=20", "patience=0",
+                "frozen_epochs=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on cuda" in r.stdout and "diabetic (test, best val epoch" in r.stdout
+
+
+def test_make_embed_in_bf16_on_cuda(tiny_run, tmp_path):
+    ckpt = str(tiny_run / "checkpoints" / "latest.pt")
+    outs = {}
+    for prec in ("fp32", "bf16"):
+        out = tmp_path / f"{prec}.parquet"
+        r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--precision", prec, "--device", "cuda",
+                    "--no-progress")
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[prec] = np.stack(pd.read_parquet(out).sort_values("relpath").embedding.to_numpy())
+    rel = np.linalg.norm(outs["bf16"] - outs["fp32"], axis=1) / np.linalg.norm(outs["fp32"], axis=1)
+    assert rel.max() < 0.05, rel.max()

@@ -1,0 +1,40 @@
+"""`make device-check`'s dry run: the script a lent GPU machine runs, on the CPU at tiny sizes
+through the same code (sections, subprocesses, result files, verdicts), so it cannot rot between
+the sessions that have a GPU."""
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.device_check", "--dry-run", "--budget-s", "0", "--out", str(out),
+                        "--vjepa2", str(tmp_path / "no_checkout")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.loads((out / "device_check.json").read_text())
+    assert res["dry_run"] and not [k for k, v in res.items() if isinstance(v, dict) and "error" in v], res
+    assert res["environment"]["matmul_bf16_tflops"] > 0
+    ct = res["cuda_tests"]
+    assert ct["tests"] == ct["skipped"] >= 6 and not ct["failed"]  # no GPU here: every CUDA test skips
+    for size in ("smoke", "vit_s", "vit_b"):
+        t = res["train"][size]
+        assert t["step_s"] > 0 and t["flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_s"] > 0, size
+    assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
+    assert "no vjepa2 checkout" in res["reference"]["skipped"]
+    ld = res["loader"]
+    assert ld["volumes_per_s"] > 0 and 0 <= ld["data_wait_frac"] <= 1 and ld["workers"] >= 1
+    md = (out / "device_check.md").read_text()
+    for line in ("MFU of the production (ViT-B) step", "octfm / vjepa2: not measured", "data wait with the default loader",
+                 "CUDA tests: 0 passed"):
+        assert line in md, md
+    assert not (out / "work").exists()
+
+
+def test_without_a_gpu_the_real_check_refuses_and_says_why(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.device_check", "--out", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device here" in r.stderr
+    r = subprocess.run(["make", "-s", "device-check"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "set OUT=" in r.stderr
