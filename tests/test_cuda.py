@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.cuda,
 SMOKE = "configs/pretrain_smoke.yaml"
 
 
-def trainer(cache, tmp_path, **kw) -> pretrain.Trainer:
-    args = tiny_train_args(cache, tmp_path, device="cuda", precision="bf16", **kw)
+def trainer(cache, tmp_path, precision: str = "bf16", **kw) -> pretrain.Trainer:
+    args = tiny_train_args(cache, tmp_path, device="cuda", precision=precision, **kw)
     cfg = config.load(TrainConfig, SMOKE, args)
     return pretrain.Trainer(cfg, runtime.setup("cuda", cfg.precision))
 
