@@ -95,7 +95,7 @@ def environment(ctx: dict) -> dict:
             a @ b
         sync(dev)
         times.append((time.perf_counter() - t) / reps)
-    out["matmul_bf16_tflops"] = round(2 * n ** 3 / statistics.median(times) / 1e12, 1)
+    out["matmul_bf16_tflops"] = 2 * n ** 3 / statistics.median(times) / 1e12
     out["datasheet_bf16_tflops"] = DATASHEET_BF16_TFLOPS.get(out["accel"])
     ctx["env"] = out
     return out
@@ -224,13 +224,13 @@ def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop
     return r
 
 
-def train(ctx: dict) -> dict:
+def train_steps(ctx: dict) -> dict:
     s = ctx["sizes"]
     out = {}
     for name, (path, over, crop, batch, steps) in s.train.items():
         b = batch or plan_batch(path, over + [shape_arg(crop)], ctx["env"]["accel"], s.batch_cap)
         out[name] = step_size(ctx, name, path, over, crop, b, steps)
-        save(ctx, "train", out)
+        write_results(ctx, "train", out)
     if ctx["left"]() > (60 if s.dry else 150):  # torch.compile of ViT-B takes a minute or more
         path, over, crop, _, steps = s.train["vit_b"]
         out["vit_b_compiled"] = step_size(ctx, "vit_b_compiled", path, over, crop, out["vit_b"]["batch"], steps,
@@ -255,7 +255,7 @@ def reference(ctx: dict) -> dict:
     if not s.dry and ctx["left"]() > 200:
         variants["octfm bf16 compiled"] = ["precision=bf16", "compile=true"]
     shim = reference_bench.timm_shim(ctx["work"])
-    res = reference_bench.measure(src, shim, PRODUCTION, base, device=s.device, variants=variants,
+    res = reference_bench.measure_steps(src, shim, PRODUCTION, base, device=s.device, variants=variants,
                                   references={"vjepa2 bf16": True}, warmup=2 if s.dry else 3,
                                   rounds=2 if s.dry else 5, steps=2 if s.dry else 5)
     size = (f"{'tiny (dry run)' if s.dry else 'ViT-B (configs/pretrain_multi_domain.yaml, no stem, no local term)'}, "
@@ -310,7 +310,7 @@ def loader(ctx: dict) -> dict:
     return out
 
 
-SECTIONS: dict[str, Callable[[dict], dict]] = {"environment": environment, "cuda_tests": cuda_tests, "train": train,
+SECTIONS: dict[str, Callable[[dict], dict]] = {"environment": environment, "cuda_tests": cuda_tests, "train": train_steps,
                                                "reference": reference, "loader": loader}
 
 
@@ -322,7 +322,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def save(ctx: dict, name: str | None = None, partial: dict | None = None) -> None:
+def write_results(ctx: dict, name: str | None = None, partial: dict | None = None) -> None:
     if name is not None:
         ctx["results"][name] = partial
     (ctx["out"] / "device_check.json").write_text(json.dumps(ctx["results"], indent=2, default=str))
@@ -367,7 +367,7 @@ def markdown(res: dict) -> list[str]:
     env = res.get("environment") or {}
     md = [f"# make device-check: {env.get('device', '?')}{' (DRY RUN: CPU, tiny sizes)' if res.get('dry_run') else ''}",
           "", f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {env.get('cpus')} CPUs; bf16 matmul measured "
-              f"{env.get('matmul_bf16_tflops')} TFLOP/s (datasheet {env.get('datasheet_bf16_tflops')}); "
+              f"{env.get('matmul_bf16_tflops', 0):.1f} TFLOP/s (datasheet {env.get('datasheet_bf16_tflops')}); "
               f"{res.get('when')}; total {res.get('total_s', 0):.0f} s", ""]
     tr = res.get("train") or {}
     if tr and not tr.get("error"):
@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
         res["section_s"] = round(time.perf_counter() - ts, 1)
         ctx["results"]["total_s"] = time.perf_counter() - t0
-        save(ctx, name, res)
+        write_results(ctx, name, res)
     shutil.rmtree(work, ignore_errors=True)
     print("\n".join(markdown(ctx["results"])))
     print(f"device-check: wrote {out / 'device_check.json'} and {out / 'device_check.md'}")

@@ -170,7 +170,7 @@ def _commit(src: str) -> str:
     return "unknown"
 
 
-def measure(src: str, shim: str, config: str, overrides: list[str], device: str = "cpu",
+def measure_steps(src: str, shim: str, config: str, overrides: list[str], device: str = "cpu",
             variants: dict = VARIANTS, references: dict = REFERENCES, warmup: int = 5, rounds: int = 5,
             steps: int = 8) -> dict:
     """Both steps in one subprocess at equal work, alternating rounds (see the module docstring)."""
@@ -201,7 +201,7 @@ def run(workdir: Path, quick: bool = False):
     cache = _make_cache(workdir)
     shim = timm_shim(workdir)
     base = [f"data.cache={cache}", f"runs_dir={workdir / 'runs'}"] + CPU + VITS
-    res = measure(src, shim, SMOKE, base, warmup=3 if quick else 5, rounds=2 if quick else 5, steps=3 if quick else 8)
+    res = measure_steps(src, shim, SMOKE, base, warmup=3 if quick else 5, rounds=2 if quick else 5, steps=3 if quick else 8)
     shutil.rmtree(workdir, ignore_errors=True)
     return summarise(res, src, shim, "ViT-S class (dim 384, depth 6, heads 6; predictor 192 x 4), 32x96x96, tubelet "
                                      "4x16x16 (288 tokens), batch 2")

@@ -14,7 +14,8 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
                         "--vjepa2", str(tmp_path / "no_checkout")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     res = json.loads((out / "device_check.json").read_text())
-    assert res["dry_run"] and not [k for k, v in res.items() if isinstance(v, dict) and "error" in v], res
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    assert res["dry_run"] and not errors, errors
     assert res["environment"]["matmul_bf16_tflops"] > 0
     ct = res["cuda_tests"]
     assert ct["tests"] == ct["skipped"] >= 6 and not ct["failed"]  # no GPU here: every CUDA test skips
