@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -118,8 +118,7 @@ test-xla: xla-venv
 # The analytic memory plan of a pretraining config on an accelerator (train/plan.py); exit 1 when it does not fit.
 ACCEL ?= tpu-v4
 CHIPS ?=
-plan: $(STAMP)
-	@test -n "$(CONFIG)" || { echo "make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>" >&2; exit 2; }
+plan: need-plan $(STAMP)
 	$(PY) -m train.plan --config $(CONFIG) --accel $(ACCEL) $(if $(CHIPS),--chips $(CHIPS)) $(ARGS)
 
 # A GPU machine lent without network: the wheels its image lacks (bench/device_wheels.txt) for its Python,
@@ -183,18 +182,25 @@ leaderboard: $(STAMP)
 	$(PY) -m evals.leaderboard --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(run_flags) $(ARGS)
 
 # A model folder others load with train.encoder.load_encoder (safetensors + config.json + model card).
-export: $(STAMP)
-	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
+export: need-export $(STAMP)
 	$(PY) -m evals.export --ckpt $(CKPT) --out $(OUT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE))
 
 # One row per cached volume: the manifest's keys and the pooled embedding (resumable).
-embed: $(STAMP)
-	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
+embed: need-embed $(STAMP)
 	$(PY) -m evals.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
-pretrain: $(STAMP)
-	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }
+pretrain: need-pretrain $(STAMP)
 	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(ARGS)
+
+# Usage checks run before the venv is made: a missing variable is answered at once, on any checkout.
+need-export:
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
+need-embed:
+	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
+need-pretrain:
+	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }
+need-plan:
+	@test -n "$(CONFIG)" || { echo "make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>" >&2; exit 2; }
 
 clean-demo:
 	rm -rf data/demo data/cache runs/pretrain_smoke

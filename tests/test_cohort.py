@@ -12,19 +12,30 @@ from evals.cohort_screen import statistics_scores
 from ingest import synth
 
 
-@pytest.fixture(scope="session")
-def lesion_cohort(tmp_path_factory):
+def cached_cohort(root, participants: int):
     """The learning check's own cohort generator (`learning_check.COHORT`: the cue, seed and
-    everything but the size) at test size: its first 100 participants, both eyes, four devices,
-    cached by the real `cache.build` at the learning check's shape."""
-    root = tmp_path_factory.mktemp("cohort")
-    synth.generate(root / "ds", dataclasses.replace(learning_check.COHORT, participants=100))
+    everything but the size), its first `participants`, both eyes, four devices, cached by the
+    real `cache.build` at the learning check's shape."""
+    synth.generate(root / "ds", dataclasses.replace(learning_check.COHORT, participants=participants))
     r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
                 *learning_check.CACHE_ARGS)
     assert r.returncode == 0, r.stderr
     return root
 
 
+@pytest.fixture(scope="session")
+def lesion_cohort(tmp_path_factory):
+    """100 participants: enough held-out volumes (about 225) to tell 0.5 from 0.6 (heavy lane)."""
+    return cached_cohort(tmp_path_factory.mktemp("cohort"), 100)
+
+
+@pytest.fixture(scope="session")
+def small_cohort(tmp_path_factory):
+    """16 participants of the same generator: the commands' plumbing, not the cue's strength."""
+    return cached_cohort(tmp_path_factory.mktemp("small_cohort"), 16)
+
+
+@pytest.mark.slow
 def test_label_is_local_not_global(lesion_cohort):
     res = statistics_scores(str(lesion_cohort / "cache"))
     assert res["participants"] == 100 and res["devices"] == 4
@@ -51,13 +62,13 @@ def test_planted_cue_marks_positive_crops_only():
     assert pos["y"] == 1 and torch.equal(ds[(0, 1)]["x"], pos["x"])      # the same place for the same key
 
 
-def test_cohort_screen_end_to_end(lesion_cohort, tmp_path):
+def test_cohort_screen_end_to_end(small_cohort, tmp_path):
     """`python -m evals.cohort_screen` on the test cohort (its statistics are the test above):
     a short supervised reference (with a planted cue, which its scoring plants too) and its
     own-head scores land in screen.json, and the verdict line is printed."""
     import json
 
-    r = run_cli("evals.cohort_screen", "--cache", str(lesion_cohort / "cache"), "--out", str(tmp_path / "s"),
+    r = run_cli("evals.cohort_screen", "--cache", str(small_cohort / "cache"), "--out", str(tmp_path / "s"),
                 "--steps", "4", "--plant", "60", "--no-stats", "batch_size=2", "data.workers=0")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "s" / "screen.json").read_text())

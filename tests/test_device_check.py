@@ -19,9 +19,9 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     assert res["environment"]["matmul_bf16_tflops"] > 0
     ct = res["cuda_tests"]
     assert ct["tests"] == ct["skipped"] >= 6 and not ct["failed"]  # no GPU here: every CUDA test skips
-    for size in ("smoke", "vit_s", "vit_b"):
-        t = res["train"][size]
-        assert t["step_s"] > 0 and t["flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_s"] > 0, size
+    t = res["train"]["vit_b"]  # the dry run runs one size (a GPU runs smoke, vit_s and vit_b through the same code)
+    assert t["step_s"] > 0 and t["flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_s"] > 0
+    assert t["batch"] == 2  # the plan's largest batch, capped for the dry run
     assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
     assert "no vjepa2 checkout" in res["reference"]["skipped"]
     ld = res["loader"]

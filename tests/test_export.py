@@ -71,9 +71,17 @@ def test_export_loads_in_a_fresh_process_and_embeds_like_the_checkpoint(tiny_run
         assert not torch.equal(torch.from_numpy(got["pooled"][0]), torch.from_numpy(got["pooled"][1]))
 
 
-def test_make_export_without_ckpt_is_a_usage_error():
-    r = subprocess.run(["make", "-s", "export"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "set CKPT=" in r.stderr
+def test_make_usage_errors_come_before_the_venv(tmp_path):
+    """A missing variable is answered at once, also where no venv exists yet (a fresh clone): the
+    check runs before make builds .venv (which took minutes inside make test on a fresh worktree)."""
+    import shutil
+
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    for target, says in (("export", "set CKPT="), ("embed", "set CKPT="), ("pretrain", "set CONFIG="),
+                         ("plan", "set CONFIG=")):
+        r = subprocess.run(["make", "-s", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr, (target, r.stderr)
+    assert not (tmp_path / ".venv").exists()
 
 
 def test_export_names_an_objective_that_is_not_plain_vjepa(tiny_cache, tmp_path):

@@ -5,12 +5,15 @@ does only what is left."""
 import json
 import re
 
+import pytest
+
 from conftest import run_cli, tiny_train_args
 from evals import learning_check
 
 PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
 
 
+@pytest.mark.slow  # 40 s on 2 cores: the heavy lane (make test-heavy)
 def test_learning_check_end_to_end_and_resumes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
