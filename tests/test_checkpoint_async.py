@@ -140,3 +140,52 @@ def test_a_run_stopped_by_an_error_still_finishes_its_pending_write(tiny_cache, 
     with pytest.raises(cli.JobAborted):
         tr.run(progress=False)
     assert checkpoint.list_steps(tr.ckpt_dir) == [1], "the pending write was waited for"
+
+
+# ------------------------------------------------------------------ issue 40: one meaning of "newest"
+def test_after_a_resume_from_an_older_step_the_newest_is_the_last_written(tmp_path):
+    """Save 6 and 8; resume from 6 (CKPT=) and save 7: automatic resume, make probe, the lockout
+    message and the learning check all take 7 (the pointer), never the abandoned 8; pruning goes
+    by write order and keeps the pointed file."""
+    d = str(tmp_path)
+    checkpoint.save(state(6), d, 6)
+    checkpoint.save(state(8), d, 8)
+    checkpoint.save(state(7), d, 7, keep_last=2)
+    assert files(tmp_path) == ["latest.txt", "step_0000007.pt", "step_0000008.pt"]  # 7 and 8 written last
+    assert checkpoint.candidates(d)[0].endswith("step_0000007.pt")
+    assert checkpoint.newest_whole(d).endswith("step_0000007.pt")
+    uri, st = checkpoint.load_newest_good(d)
+    assert uri.endswith("step_0000007.pt") and st["step"] == 7
+    checkpoint.save(state(8), d, 8, keep_last=1)  # the branch goes on: its own 8 replaces the abandoned one
+    assert files(tmp_path) == ["latest.txt", "step_0000008.pt"]
+    assert float(checkpoint.load(str(tmp_path / "latest.pt"))["w"][0, 0]) == 8
+
+
+def test_pruning_to_one_after_a_branch_keeps_only_the_pointed_file(tmp_path):
+    d = str(tmp_path)
+    for s in (6, 8):
+        checkpoint.save(state(s), d, s)
+    checkpoint.save(state(7), d, 7, keep_last=1)
+    assert files(tmp_path) == ["latest.txt", "step_0000007.pt"]
+    assert checkpoint.newest_whole(d).endswith("step_0000007.pt")
+
+
+def test_a_reader_following_the_pointer_survives_a_prune_in_between(tmp_path, monkeypatch):
+    """The pointer names step 7; before the reader opens it a save of 9 with keep_last=1 prunes 7:
+    the reader follows the pointer again and reads 9 instead of failing."""
+    d = str(tmp_path)
+    checkpoint.save(state(7), d, 7)
+    real, raced = fsio.read_bytes, []
+
+    def racing(uri):
+        if uri.endswith("step_0000007.pt") and not raced:
+            raced.append(uri)
+            checkpoint.save(state(9), d, 9, keep_last=1)  # another process saves and prunes right now
+        return real(uri)
+
+    monkeypatch.setattr(fsio, "read_bytes", racing)
+    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 9 and raced
+    raced.clear()
+    checkpoint.save(state(7), d, 7, keep_last=None)  # a branch again; the newest-good scan races the same way
+    uri, st = checkpoint.load_newest_good(d)
+    assert st["step"] == 9 and uri.endswith("step_0000009.pt") and raced

@@ -7,6 +7,13 @@ A save writes one file, step_<N>.pt, and then the pointer latest.txt naming it: 
 `<ckpt_dir>/latest.pt` that users pass resolves through the pointer (`resolve_latest`), so the
 newest state is on disk once, not twice. Folders saved before the pointer hold a real
 latest.pt (a full copy), which still loads.
+
+"Newest" has one meaning everywhere: the last written, which is the file the pointer names.
+latest.txt holds the write log (the pointed name first, then earlier saves, newest first), so
+automatic resume, `make probe`, the lockout message and the learning check agree with latest.pt
+after a run resumed from an older step, and pruning goes by write order, never by step number.
+One exception: a step file the log does not hold and that was written after the pointer (a save
+killed between its two writes) is newer than the pointer.
 """
 from __future__ import annotations
 
@@ -68,32 +75,83 @@ def resolve_latest(uri: str) -> str:
     if posixpath.basename(uri) != LATEST or fsio.exists(uri):
         return uri
     folder = posixpath.dirname(uri)
-    pointer = fsio.join(folder, POINTER)
+    log = write_log(folder)
+    return fsio.join(folder, log[0]) if log else uri  # neither: the reader says latest.pt is missing
+
+
+def write_log(ckpt_dir: str) -> list[str]:
+    """The step files' names in write order, newest first, as latest.txt records them (a pointer
+    written before the log holds one name); [] without a pointer."""
+    pointer = fsio.join(ckpt_dir, POINTER)
     try:
-        name = fsio.read_text(pointer).strip()
+        names = [ln.strip() for ln in fsio.read_text(pointer).splitlines() if ln.strip()]
     except FileNotFoundError:
-        return uri  # neither: the reader says latest.pt is missing
-    if not STEP_RE.fullmatch(name):
-        raise ValueError(f"{pointer}: names {name!r}, not a step_<N>.pt file of its folder")
-    return fsio.join(folder, name)
+        return []
+    for name in names:
+        if not STEP_RE.fullmatch(name):
+            raise ValueError(f"{pointer}: names {name!r}, not a step_<N>.pt file of its folder")
+    return names
+
+
+def _modified(info: dict) -> float:
+    value = info.get("mtime") or info.get("updated") or info.get("LastModified") or 0
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    if isinstance(value, str):
+        import datetime
+
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return float(value)
+
+
+def write_order(ckpt_dir: str) -> list[str]:
+    """The step files present, newest write first: any the log does not hold but written after
+    the pointer (a save killed before it pointed), then the log's, then the others (folders
+    from before the log) by step number."""
+    fs, base = fsio.filesystem(ckpt_dir)
+    if not fs.exists(base):
+        return []
+    infos = {posixpath.basename(i["name"]): i for i in fs.ls(base, detail=True)}
+    present = sorted((n for n in infos if STEP_RE.fullmatch(n)), key=lambda n: int(STEP_RE.fullmatch(n).group(1)),
+                     reverse=True)
+    log = [n for n in write_log(ckpt_dir) if n in infos]
+    unlogged = [n for n in present if n not in log]
+    pointer_time = _modified(infos[POINTER]) if POINTER in infos else float("-inf")
+    after = [n for n in unlogged if _modified(infos[n]) > pointer_time] if log else []
+    return after + log + [n for n in unlogged if n not in after]
 
 
 def candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoints to resume or probe from, newest first: every step_<N>.pt, then a real
-    latest.pt of a folder saved before the pointer (a kill between the two writes of those
-    saves must not lose step N). The pointer names a step file already listed."""
-    out = [step_uri(ckpt_dir, s) for s in reversed(list_steps(ckpt_dir))]
+    """Checkpoints to resume or probe from, newest first (`write_order`), then a real latest.pt
+    of a folder saved before the pointer."""
+    out = [fsio.join(ckpt_dir, n) for n in write_order(ckpt_dir)]
     if fsio.exists(fsio.join(ckpt_dir, LATEST)):
         out.append(fsio.join(ckpt_dir, LATEST))
     return out
+
+
+def _following_pointer(uri: str, read):
+    """read(resolved path), following latest.pt's pointer again when the file it named was
+    pruned between resolving and reading (another process saved and pruned meanwhile)."""
+    for attempt in range(5):
+        path = resolve_latest(uri)
+        try:
+            return read(path)
+        except FileNotFoundError:
+            if attempt == 4 or path == str(uri) or resolve_latest(uri) == path:
+                raise
+    raise AssertionError("unreachable")
 
 
 def identity(uri: str) -> dict:
     """Name, size and modification time (or object generation): a checkpoint re-saved at the
     same step (a resumed run) reads as new; one moved or copied with its times does not.
     latest.pt is identified as the step file it resolves to."""
-    fs, path = fsio.filesystem(resolve_latest(uri))
-    info = fs.info(path)
+    def info_of(resolved: str):
+        fs, p = fsio.filesystem(resolved)
+        return p, fs.info(p)
+
+    path, info = _following_pointer(uri, info_of)
     modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
     return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
 
@@ -116,24 +174,30 @@ def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) ->
 
 
 def point_latest(ckpt_dir: str, path: str) -> None:
-    """latest.txt names `path`, atomically. A real latest.pt (a copy left by saves before the
-    pointer) is removed first, or it would go on answering for latest.pt."""
+    """latest.txt names `path` first, then the earlier saves still present (the write log),
+    atomically. A real latest.pt (a copy left by saves before the pointer) is removed first, or
+    it would go on answering for latest.pt."""
     legacy = fsio.join(ckpt_dir, LATEST)
     if fsio.exists(legacy):
         fs, p = fsio.filesystem(legacy)
         fs.rm(p)
-    fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), f"{posixpath.basename(path)}\n".encode())
+    name = posixpath.basename(path)
+    log = [name] + [n for n in write_order(ckpt_dir) if n != name]
+    fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), ("\n".join(log) + "\n").encode())
 
 
 def prune(ckpt_dir: str, keep_last: int) -> None:
-    """Delete all but the keep_last highest step files, never the one latest points to (a run
-    resumed from an older checkpoint saves below the highest step on disk)."""
+    """Delete all but the keep_last most recently written step files (write_order), never the
+    one latest points to."""
+    order = write_order(ckpt_dir)
     pointed = posixpath.basename(resolve_latest(fsio.join(ckpt_dir, LATEST)))
-    for old in list_steps(ckpt_dir)[:-keep_last]:
-        uri = step_uri(ckpt_dir, old)
-        if posixpath.basename(uri) != pointed:
-            fs, p = fsio.filesystem(uri)
+    for name in order[keep_last:]:
+        if name != pointed:
+            fs, p = fsio.filesystem(fsio.join(ckpt_dir, name))
             fs.rm(p)
+    if order[keep_last:]:
+        log = [n for n in write_log(ckpt_dir) if n in order[:keep_last] or n == pointed]
+        fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), ("\n".join(log) + "\n").encode())
 
 
 def list_steps(ckpt_dir: str) -> list[int]:
@@ -145,46 +209,60 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 def load(uri: str, map_location="cpu") -> dict:
     """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
-    data = fsio.read_bytes(resolve_latest(uri))
+    data = _following_pointer(uri, fsio.read_bytes)
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def is_whole(uri: str) -> bool:
     """A torch checkpoint is a ZIP whose directory sits at the end: a file cut short has lost
     it. Reads only the tail, so commands that load a checkpoint later can pick one cheaply."""
-    fs, path = fsio.filesystem(resolve_latest(uri))
-    try:
-        with fs.open(path, "rb") as f, zipfile.ZipFile(f):
-            return True
-    except (zipfile.BadZipFile, EOFError, ValueError):
-        return False
+    def whole(resolved: str) -> bool:
+        fs, path = fsio.filesystem(resolved)
+        try:
+            with fs.open(path, "rb") as f, zipfile.ZipFile(f):
+                return True
+        except (zipfile.BadZipFile, EOFError, ValueError):
+            return False
+
+    return _following_pointer(uri, whole)
 
 
 def newest_whole(ckpt_dir: str, warn=print) -> str | None:
-    """The newest step_<N>.pt that is whole (else a real latest.pt when whole), warning about
-    the ones skipped; None when there is none."""
-    for uri in candidates(ckpt_dir):
-        if is_whole(uri):
-            return uri
-        warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
+    """The newest step file (write_order) that is whole (else a real latest.pt when whole),
+    warning about the ones skipped; None when there is none."""
+    for _ in range(3):  # a file pruned while we looked: look again
+        try:
+            for uri in candidates(ckpt_dir):
+                if is_whole(uri):
+                    return uri
+                warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
+            return None
+        except FileNotFoundError:
+            continue
     return None
 
 
 def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:
-    """The newest checkpoint that reads back whole, newest step first, then a real latest.pt.
+    """The newest checkpoint that reads back whole, newest write first, then a real latest.pt.
 
     A file cut short (a crash mid-copy, a full disk under another writer) is skipped with a
-    warning naming it. A refused pickle is not skipped: that is an error, not wear.
+    warning naming it. A refused pickle is not skipped: that is an error, not wear. A file pruned
+    while we read (another process saved meanwhile) sends us back to the new newest.
     """
-    tried = candidates(ckpt_dir)
-    for uri in tried:
+    for _ in range(3):
+        tried = candidates(ckpt_dir)
         try:
-            return uri, load(uri, map_location)
-        except pickle.UnpicklingError:
-            raise
-        except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
-            warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
-                 "trying the one before it")
+            for uri in tried:
+                try:
+                    return uri, load(uri, map_location)
+                except pickle.UnpicklingError:
+                    raise
+                except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
+                    warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
+                         "trying the one before it")
+        except FileNotFoundError:
+            continue
+        break
     if tried:  # starting over would overwrite the run's checkpoints
         raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(tried)} tried); "
                            "move them aside to start over, or pass CKPT=...")
