@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import os
 import posixpath
@@ -296,38 +297,46 @@ class Busy(Exception):
     """Another live process holds the lock."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
-
-
 @contextlib.contextmanager
 def pid_lock(path: Path, on_stale=print):
-    """Hold `path` (a local file created with O_EXCL, holding our pid) for the block. A lock whose
-    pid is gone (a killed run) is taken over, saying so through `on_stale`; a live one raises
-    Busy with its pid. Removed on exit."""
+    """Hold `path` (a local lock file) for the block, with `fcntl.flock`: the kernel grants it to
+    one process and drops it when that process dies, so there is no moment in which a second
+    process can take a live holder's lock for stale (the file is created before the pid is
+    written) and no race between two takeovers of a killed holder's file. The file holds the
+    holder's pid for the messages: a live holder raises Busy naming it; a dead holder's lock is
+    taken over, saying so through `on_stale`. Removed on exit."""
     path = Path(path)
-    for attempt in range(2):
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read_pid(fd)
+            os.close(fd)
+            raise Busy(f"{path} is held by pid {pid or 'unknown'}") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
             break
-        except FileExistsError:
-            try:
-                pid = int(path.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if attempt or (pid and _alive(pid)):
-                raise Busy(f"{path} is held by pid {pid or 'unknown'}") from None
-            on_stale(f"{path}: taking over the lock of pid {pid or 'unknown'}, which is gone")
-            path.unlink(missing_ok=True)
+        os.close(fd)  # the holder before us removed the file as we opened it: lock the new one
     try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
+        old = _read_pid(fd)
+        if old and old != os.getpid():
+            on_stale(f"{path}: taking over the lock of pid {old}, which is gone")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)  # while still locked: a waiter that opened it finds a new file
+        finally:
+            os.close(fd)
+
+
+def _read_pid(fd: int) -> int:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or 0)
+    except ValueError:
+        return 0
