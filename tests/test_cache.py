@@ -16,7 +16,7 @@ from conftest import SMALL, assert_same_cache, run_cli, start_build
 from ingest import preprocess as prep
 from ingest import synth
 from manifests import schema
-from octfm import config
+from octfm import config, fsio
 
 CFG = config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [16, 48, 48]}, "workers": 2})
 
@@ -55,8 +55,8 @@ def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     lock = cache / ".build-0-of-1.lock"                    # one builder per shard: a live one refuses a second
-    lock.write_text(str(os.getpid()))
-    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    with fsio.pid_lock(lock):                              # held by this test's process
+        r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
     assert r.returncode == 2 and "another make cache is building shard 0/1" in r.stderr, r.stderr
     assert str(cache) in r.stderr and str(os.getpid()) in r.stderr and not (cache / "manifest.parquet").exists()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -18,6 +18,7 @@ import torch
 from conftest import REPO, run_cli
 from cache import store
 from evals import features
+from octfm import fsio
 from train import data, encoder
 
 KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label"]
@@ -143,8 +144,8 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_lives(tiny_r
     ckpt = str(tiny_run / "checkpoints" / "step_0000004.pt")
     out = tmp_path / "emb.parquet"
     lock = tmp_path / "emb.parquet.lock"
-    lock.write_text(str(os.getpid()))                      # a live holder: this test's process
-    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    with fsio.pid_lock(lock):                              # a live holder: this test's process
+        r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
     assert r.returncode == 2 and "another make embed is writing it" in r.stderr and str(os.getpid()) in r.stderr
     assert not out.exists()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
