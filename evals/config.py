@@ -46,6 +46,7 @@ class FinetuneConfig:
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
     epochs: int = 40
+    max_steps: int | None = None       # a budget in optimizer steps whatever label_fraction is: fewer epochs when it ends first
     batch_size: int = 4                # per process
     lr: float = 3.0e-4                 # peak learning rate of the last encoder block
     layer_decay: float = 1.0           # each block below the last: lr x layer_decay once more

@@ -6,8 +6,10 @@ fraction of its participants), chosen on val balanced accuracy epoch by epoch (e
 scored once on test with the probes' metrics, intervals and plots. `init=random` trains the same
 architecture from scratch on the same budget: the baseline a pretrained start must beat.
 
-Layer-wise learning-rate decay (the last block at `lr`, each one below it x `layer_decay`, the
-patchify lowest), a head learning rate, frozen epochs (the head alone, the encoder untouched),
+Layer-wise learning-rate decay (the last block and the final norm at `lr`, each block below it x
+`layer_decay`, the patchify lowest), a head learning rate, frozen epochs (the head alone, the
+encoder untouched, which then warms up again from its first step), a guard that skips an update
+whose loss or gradients are not finite,
 class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu, cuda
 (torchrun + DDP, bf16) and xla, as `make pretrain`. A killed run resumes from its last whole
 epoch to the weights an uninterrupted one reaches. The best epoch is kept as a checkpoint that
@@ -38,7 +40,7 @@ from octfm import cli, config, fsio, plots
 from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
-from train.pretrain import decays, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
+from train.pretrain import decays, guarded_step, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
 from train.run_folder import RunFolder
 
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
@@ -101,25 +103,27 @@ class Classifier(nn.Module):
 
 
 def layer_id(name: str, depth: int) -> int:
-    """0 for the stem and patchify, i + 1 for block i, depth + 1 for the final norm (encoder names)."""
+    """0 for the stem and patchify, i + 1 for block i, and the final norm with the last block
+    (depth) (encoder names)."""
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
-    return depth + 1 if name.startswith("norm.") else 0
+    return depth if name.startswith("norm.") else 0
 
 
 def layer_groups(model: Classifier, cfg: FinetuneConfig) -> list[dict]:
-    """AdamW groups, each with its peak lr: encoder layer l at lr x layer_decay^(depth + 1 - l)
-    (the final norm at lr), the head at head_lr; weight decay on weights only."""
+    """AdamW groups, each with its peak lr: encoder layer l at lr x layer_decay^(depth - l) (the
+    last block and the final norm at lr, the patchify lowest), the head at head_lr; weight decay
+    on weights only (`decays`: not on biases, the head's included, nor norms)."""
     depth = len(model.encoder.blocks)
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
         if name.startswith("encoder."):
             sub = name[len("encoder."):]
-            lr = cfg.lr * cfg.layer_decay ** (depth + 1 - layer_id(sub, depth))
+            lr = cfg.lr * cfg.layer_decay ** (depth - layer_id(sub, depth))
             key = (f"layer_{layer_id(sub, depth)}", decays(sub, p))
         else:
             lr, key = cfg.head_lr, ("head", decays(name, p))
-        g = groups.setdefault(key, {"params": [], "names": [], "peak_lr": lr,
+        g = groups.setdefault(key, {"params": [], "names": [], "peak_lr": lr, "encoder": key[0] != "head",
                                     "weight_decay": cfg.weight_decay if key[1] else 0.0})
         g["params"].append(p)
         g["names"].append(name)
@@ -130,6 +134,24 @@ def lr_factor(step, total: int, warmup: int):
     """Linear warmup over `warmup` steps (the first step at 1/warmup), then cosine from 1 to 0 at
     `total`; `step` an int or a device tensor (schedule.warmup_cosine)."""
     return schedule.warmup_cosine(step, total, warmup, start=0.0, peak=1.0, final=0.0, offset=1)
+
+
+def thaw_ramp(step, thawed_at: int, warmup: int):
+    """The encoder's own warmup once it unfreezes at step `thawed_at`: 1/warmup at that step up to 1
+    (its AdamW moments start empty there, so full-size updates would be lr x sign(g) everywhere);
+    1 when it trains from the start. `step` an int or a device tensor."""
+    if thawed_at <= 0 or warmup <= 0:
+        return 1.0
+    r = (step - thawed_at + 1) / warmup
+    return r.clamp(0.0, 1.0) if torch.is_tensor(r) else min(1.0, max(0.0, r))
+
+
+def budget_epochs(cfg: FinetuneConfig, per_epoch: int) -> int:
+    """The epochs a run trains: `epochs`, or fewer when `max_steps` (a budget in optimizer steps,
+    whatever the label fraction) ends it first; never fewer than the frozen epochs plus one."""
+    if cfg.max_steps is None:
+        return cfg.epochs
+    return max(min(cfg.frozen_epochs + 1, cfg.epochs), min(cfg.epochs, -(-cfg.max_steps // max(1, per_epoch))))
 
 
 def run_dir(cfg: FinetuneConfig) -> Path:
@@ -176,6 +198,10 @@ class Finetuner:
                        if cfg.class_weight else None)
         self.folder = RunFolder(run_dir(cfg))
         self.ckpt_dir = self.folder.checkpoints()
+        per_epoch = data.EpochSampler(int(self.train.sum()), cfg.batch_size, world=rt.world).batches_per_epoch
+        self.epochs = budget_epochs(cfg, per_epoch)
+        self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
+        self.skipped = torch.zeros((), device=rt.device)  # updates refused for a non-finite loss or gradient
         self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
         self.history: list[dict] = []
         self.resumed = self._maybe_resume()
@@ -193,7 +219,7 @@ class Finetuner:
                            "from": self.ident, "best": self.best}}
         if not best:
             st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, stale=self.stale,
-                      history=self.history)
+                      history=self.history, skipped_updates=self.skipped.cpu())
         return st
 
     def _maybe_resume(self) -> str | None:
@@ -211,6 +237,7 @@ class Finetuner:
         load_optimizer(self.opt, st["optimizer"], self.lrs)
         self.epoch, self.step, self.stale = int(st["step"]), int(st["train_step"]), int(st["stale"])
         self.best, self.history = st["finetune"]["best"], list(st["history"])
+        self.skipped.copy_(st.get("skipped_updates", torch.zeros(())))  # absent before the guard
         return uri
 
     def save(self) -> None:
@@ -230,7 +257,7 @@ class Finetuner:
         ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, cfg.seed, augment=cfg.augment)
         per_epoch = data.EpochSampler(len(rows), cfg.batch_size, world=self.rt.world).batches_per_epoch
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, cfg.seed, True,
-                                    start_epoch * per_epoch, cfg.epochs * per_epoch)
+                                    start_epoch * per_epoch, self.epochs * per_epoch)
         kw = {"num_workers": cfg.workers, "persistent_workers": True} if cfg.workers > 0 else {}
         dl = DataLoader(supervised.Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
@@ -255,8 +282,10 @@ class Finetuner:
         loss = F.cross_entropy(logits.float(), b["y"], weight=self.weight, label_smoothing=self.cfg.label_smoothing)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)  # frozen parameters have no grad
-        self.opt.step()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)  # frozen ones have no grad
+        ok = torch.isfinite(loss.detach()) & torch.isfinite(gnorm)
+        guarded_step(self.opt, ok)  # a non-finite loss (a bf16 overflow, a bad batch) leaves everything as it was
+        self.skipped.add_((~ok).float())
         return loss.detach()
 
     @torch.no_grad()
@@ -264,16 +293,24 @@ class Finetuner:
         """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
         them). Leaves the model in eval mode: each epoch starts with set_phase."""
         self.model.eval()
-        rows = [r for r, m in zip(self.rows, mask) if m]
-        d = self.tcfg.data
         out = []
-        for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
-                                           pad=self.rt.kind == "xla"):
+        for x, n in self.inputs(mask):
             x = x.to(self.rt.device)
             with self.rt.autocast():
                 logits = self.model(data.normalize(x))
             out.append(torch.softmax(logits.float(), -1)[:n].cpu())
         return torch.cat(out).numpy() if out else np.zeros((0, self.spec["classes"]))
+
+    def inputs(self, mask: np.ndarray) -> list:
+        """The masked rows' cropped uint8 batches, read from the cache once and kept (validation
+        scores the same rows every epoch; a val split of 1,000 volumes at 32 x 96 x 96 is 0.3 GB)."""
+        key = np.packbits(mask).tobytes()
+        if key not in self._inputs:
+            rows = [r for r, m in zip(self.rows, mask) if m]
+            d = self.tcfg.data
+            self._inputs[key] = list(encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
+                                                            pad=self.rt.kind == "xla"))
+        return self._inputs[key]
 
     def validate(self) -> dict:
         va = self.split == "val"
@@ -290,7 +327,7 @@ class Finetuner:
             fsio.atomic_write_bytes(str(self.folder.finetune), json.dumps(config.to_dict(cfg), indent=1).encode())
         log = metrics.MetricsLog(self.folder.root, rt.is_master, cfg.wandb, config.to_dict(cfg))
         try:
-            if self.epoch < cfg.epochs and not self.stopped():
+            if self.epoch < self.epochs and not self.stopped():
                 self._loop(log, progress)
         finally:
             log.close()
@@ -302,7 +339,8 @@ class Finetuner:
     def _loop(self, log: metrics.MetricsLog, progress: bool) -> None:
         cfg, rt = self.cfg, self.rt
         per_epoch, dl = self.loader(self.epoch)
-        total, warmup = cfg.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
+        total, warmup = self.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
+        thawed_at = cfg.frozen_epochs * per_epoch  # the encoder's first step: its warmup starts there
         it = iter(rt.loader(dl))
         clock = torch.zeros((), device=rt.device)  # the step the schedule reads, kept on the device
         set_scalar(clock, self.step)
@@ -310,7 +348,7 @@ class Finetuner:
                    disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
         try:
             net, phase = None, None
-            while self.epoch < cfg.epochs and not self.stopped():
+            while self.epoch < self.epochs and not self.stopped():
                 self.set_phase(self.epoch)
                 if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
                     net = None
@@ -319,8 +357,9 @@ class Finetuner:
                 losses = []
                 for _ in range(per_epoch):
                     f = lr_factor(clock, total, warmup)  # on the device: no host copy per step
+                    f_enc = f * thaw_ramp(clock, thawed_at, warmup)
                     for g, lr in zip(self.groups, self.lrs):
-                        lr.copy_(g["peak_lr"] * f)
+                        lr.copy_(g["peak_lr"] * (f_enc if g["encoder"] else f))
                     clock.add_(1)
                     losses.append(self.update(net, rt.to_device(next(it))))
                     rt.sync()

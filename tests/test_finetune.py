@@ -87,9 +87,11 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
     ft = _finetuner(cfg)
     depth = len(ft.model.encoder.blocks)
     assert depth == 2
-    expect = {"encoder.patch.weight": 1e-3 * 0.5 ** 3, "encoder.blocks.0.attn.qkv.weight": 1e-3 * 0.5 ** 2,
-              "encoder.blocks.0.norm1.bias": 1e-3 * 0.5 ** 2, "encoder.blocks.1.mlp.0.weight": 1e-3 * 0.5,
-              "encoder.norm.weight": 1e-3, "head.w": 7e-3}
+    # as documented (evals/finetune.py, configs/finetune.yaml): the last block and the final norm at lr,
+    # each block below x layer_decay, the stem and patchify lowest
+    expect = {"encoder.patch.weight": 1e-3 * 0.5 ** 2, "encoder.blocks.0.attn.qkv.weight": 1e-3 * 0.5,
+              "encoder.blocks.0.norm1.bias": 1e-3 * 0.5, "encoder.blocks.1.mlp.0.weight": 1e-3,
+              "encoder.norm.weight": 1e-3, "head.w": 7e-3, "head.b": 7e-3}
     names = [n for g in ft.groups for n in g["names"]]
     assert sorted(names) == sorted(n for n, _ in ft.model.named_parameters())  # every parameter in exactly one group
     peak = {n: g["peak_lr"] for g in ft.groups for n in g["names"]}
@@ -97,6 +99,7 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
         assert peak[name] == pytest.approx(lr), name
     decay = {n: g["weight_decay"] for g in ft.groups for n in g["names"]}
     assert decay["encoder.blocks.0.attn.qkv.weight"] == 0.05 and decay["encoder.blocks.0.norm1.bias"] == 0.0
+    assert decay["head.w"] == 0.05 and decay["head.b"] == 0.0  # the head's bias: no decay ("weights only")
     # AdamW's groups are these groups, each with its own device lr tensor (the loop writes peak x factor into it)
     for og, g, lr in zip(ft.opt.param_groups, ft.groups, ft.lrs, strict=True):
         assert og["lr"] is lr and len(og["params"]) == len(g["params"])
@@ -181,3 +184,75 @@ def test_two_process_finetune_under_torchrun(pretrained, tmp_path):
     assert "on cpu x2" in r.stdout
     m = json.loads((out / "diabetic" / "metrics.json").read_text())
     assert [h["epoch"] for h in m["history"]] == [1, 2]
+
+
+def test_the_encoder_warms_up_again_when_it_unfreezes(pretrained, tmp_path):
+    """With frozen epochs, the encoder's groups enter AdamW at the unfreezing step with empty
+    moments: their learning rate ramps up from there over warmup_epochs (lr x sign(g) on every
+    weight at a factor near 1 washes pretrained features out); the head's follows the one schedule."""
+    cfg = _cfg(pretrained, tmp_path / "warm", epochs=3, frozen_epochs=1, warmup_epochs=1, lr=1e-3, head_lr=1e-3)
+    ft = _finetuner(cfg)
+    seen = []
+    real = ft.update
+
+    def record(net, b):
+        seen.append({g["names"][0].split(".")[0]: float(lr) for g, lr in zip(ft.groups, ft.lrs)})
+        return real(net, b)
+
+    ft.update = record
+    ft.run(progress=False)
+    per_epoch = len(seen) // 3
+    first_thawed = seen[per_epoch]
+    assert first_thawed["encoder"] == pytest.approx(1e-3 / per_epoch, rel=0.05), (per_epoch, first_thawed)
+    assert first_thawed["head"] > 0.8e-3                       # the head is past its warmup
+    ramp = [s["encoder"] / s["head"] for s in seen[per_epoch:2 * per_epoch + 2]]  # the same peak lr: the ramp alone
+    assert ramp == pytest.approx([min(1.0, (i + 1) / per_epoch) for i in range(per_epoch + 2)])
+
+
+def test_a_non_finite_loss_leaves_the_weights_and_the_optimizer_alone(pretrained, tmp_path):
+    """A NaN loss (bf16 overflow, a bad batch) is skipped and counted, as in pretraining."""
+    ft = _finetuner(_cfg(pretrained, tmp_path / "nan", epochs=1, frozen_epochs=0))
+    _, dl = ft.loader(0)
+    b = next(iter(dl))
+    ft.set_phase(0)
+    for g, lr in zip(ft.groups, ft.lrs):
+        lr.fill_(g["peak_lr"])
+    ft.update(ft.model, b)                                       # one real step: AdamW has state
+    before = {k: v.clone() for k, v in ft.model.state_dict().items()}
+    opt_before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in ft.opt.state.items()}
+    bad = {**b, "aug": torch.full_like(b["aug"], float("nan"))}
+    loss = ft.update(ft.model, bad)
+    assert not torch.isfinite(loss)
+    assert same_state(before, ft.model.state_dict())
+    for p, st in ft.opt.state.items():
+        assert all(torch.equal(v, opt_before[id(p)][k]) for k, v in st.items())
+    assert int(ft.skipped) == 1
+    assert torch.isfinite(ft.update(ft.model, b)) and int(ft.skipped) == 1  # and training goes on
+
+
+def test_a_step_budget_ends_the_run_whatever_the_label_fraction(pretrained, tmp_path):
+    """max_steps (FinetuneConfig) stops a run at a number of optimizer steps, so all labels do not
+    train ten times the steps of 10%; never before the frozen epochs and one more."""
+    cfg = _cfg(pretrained, tmp_path / "budget", epochs=40, frozen_epochs=1, max_steps=5)
+    assert finetune.budget_epochs(cfg, per_epoch=2) == 3 and finetune.budget_epochs(cfg, per_epoch=10) == 2
+    assert finetune.budget_epochs(_cfg(pretrained, tmp_path / "b2", epochs=4), per_epoch=2) == 4
+    ft = _finetuner(cfg)
+    per_epoch = ft.loader(0)[0]
+    res = ft.run(progress=False)
+    assert res["epochs_run"] == finetune.budget_epochs(cfg, per_epoch) < 40
+
+
+def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch):
+    from train import encoder
+
+    reads, real = [], encoder.volume_batches
+
+    def counting(cache, rows, *a, **kw):
+        reads.append(len(rows))
+        return real(cache, rows, *a, **kw)
+
+    monkeypatch.setattr(encoder, "volume_batches", counting)
+    ft = _finetuner(_cfg(pretrained, tmp_path / "val", epochs=3))
+    ft.run(progress=False)
+    n_val = int((ft.split == "val").sum())
+    assert reads.count(n_val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)

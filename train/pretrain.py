@@ -26,8 +26,9 @@ from train.config import TrainConfig
 from train.model import JEPA, Encoder, objective, target_features
 
 def decays(name: str, p: torch.Tensor) -> bool:
-    """Weight decay applies to weights, not to biases, norms and the mask token (1-D parameters)."""
-    return p.ndim > 1 and not name.endswith("mask_token")
+    """Weight decay applies to weights, not to biases, norms and the mask token (1-D parameters,
+    and biases kept per head, such as a probe head's `b` [heads, classes])."""
+    return p.ndim > 1 and not name.endswith("mask_token") and name.rsplit(".", 1)[-1] not in ("b", "bias")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
