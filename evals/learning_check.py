@@ -11,7 +11,7 @@ paired bootstrap interval over participants for both tasks, label-efficiency cur
 10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
 same subsets), for `CUE=scanners` every scanner held out in turn and, with `--finetune`
 (FINETUNE=1), `make finetune` from the checkpoint and from random init on 10% and 100% of the
-labels against the frozen attentive probe. Every stage is
+labels against the frozen probe (the head val chose). Every stage is
 resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
 result.png; docs/learning-check.md keeps the decisions behind it.
 """
@@ -66,6 +66,12 @@ CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
+# what the label-efficiency rows select on (issue 40, item 10): said in result.json
+SELECTION = ("at every label fraction the probes' grid, the head kind and early stopping select on the full val "
+             "split (val labels beyond the fraction); no row selects on a val subset of the same fraction")
+# the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
+TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
+                "one's included; only the probes hold it out")
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
 BINARY, MULTI = "diabetic", "study_group"
 
@@ -140,8 +146,19 @@ def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence
     binary task's labels (of these participants, for a label fraction) for as many steps as
     pretraining takes."""
     cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
-    name = recipe_name(config_path, cache, overrides, SUPERVISED_CODE).replace("pretrain_", "supervised_") + tag
+    name = supervised_name(config_path, cache, overrides, participants, tag)
     return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants)
+
+
+def supervised_name(config_path: str, cache: str, overrides: Sequence[str], participants: set[str] | None,
+                    tag: str = "") -> str:
+    """The reference's run name: the recipe, cache and code, and for a label fraction the digest of
+    its participants (they depend on the probe seed), so a reference is reused only for the
+    very participants it was trained on."""
+    name = recipe_name(config_path, cache, overrides, SUPERVISED_CODE).replace("pretrain_", "supervised_") + tag
+    if participants is None:
+        return name
+    return name + "_" + hashlib.sha256("\n".join(sorted(participants)).encode()).hexdigest()[:8]
 
 
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
@@ -165,14 +182,14 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
 def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,
                   supervised: dict | None = None) -> list[dict]:
     """Per fraction: fine-tuned from the checkpoint and from random init (test balanced accuracy,
-    the paired difference), fine-tuned against the frozen attentive probe of the same encoder on
+    the paired difference), fine-tuned against the frozen probe (the head val chose) of the same encoder on
     the same participants and, where a supervised reference was trained on them (`supervised`:
     {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning."""
     out, te, supervised = [], check_probes.tested_rows(fs), supervised or {}
     for f in sorted(tuned):
         p = tuned[f]["pretrained"]
         against = {"random_init": ("pretrained_minus_random_init", tuned[f]["random"]),   # name: (difference key, probs)
-                   "frozen_attentive": ("finetuned_minus_frozen", frozen[f])}
+                   "frozen": ("finetuned_minus_frozen", frozen[f])}
         if f in supervised:
             against["supervised"] = ("finetuned_minus_supervised", supervised[f])
         row = {"fraction": f, "pretrained": check_probes.score(BINARY, rows, p, te, n_boot, seed)}
@@ -197,15 +214,15 @@ def finetune_against_supervised(points: list[dict]) -> str | None:
 
 def finetune_verdict(points: list[dict]) -> str:
     """Issue 28's target at the smallest fraction: fine-tuned pretrained minus random-init >= +0.05
-    with the paired lower bound above 0, and fine-tuned >= the frozen attentive probe."""
+    with the paired lower bound above 0, and fine-tuned >= the frozen probe with the head val chose."""
     first = points[0]
     d, lo = first["pretrained_minus_random_init"]["difference"], first["pretrained_minus_random_init"]["difference_ci95"][0]
-    ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen_attentive"]["balanced_accuracy"]
+    ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen"]["balanced_accuracy"]
     ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and ft >= fr
     return (f"fine-tuning at {pct(first['fraction'])} of labels: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
             f"{d:+.3f} [{_f(lo)}, {_f(first['pretrained_minus_random_init']['difference_ci95'][1])}] "
             f"({ft:.3f} vs {first['random_init']['balanced_accuracy']:.3f}); fine-tuned {ft:.3f} vs frozen "
-            f"attentive probe {fr:.3f}; target >= +{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned "
+            f"probe (head chosen on val) {fr:.3f}; target >= +{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned "
             f">= frozen")
 
 
@@ -261,7 +278,8 @@ def verdict(result: dict) -> str:
     ok = ok and (m["difference"] >= 0 or not need_multi)
     eff = label_efficiency_check(result)
     ok = ok and (eff is None or eff[0])
-    return (f"learning-check [{result['cue']}]: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
+    how = " (transductive pretraining)" if result["protocol"] == "scanners" else ""
+    return (f"learning-check [{result['cue']}]{how}: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
             f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} "
             f"[{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
@@ -333,11 +351,11 @@ def markdown(result: dict) -> str:
                   "attentive probe of the checkpoint and the supervised reference trained on the same labels.", "",
                   result["finetune"]["verdict"], "", *([result["finetune"]["against_supervised"], ""]
                                                        if result["finetune"].get("against_supervised") else []),
-                  "| labels | fine-tuned | fine-tuned random-init | frozen attentive | supervised reference | "
+                  "| labels | fine-tuned | fine-tuned random-init | frozen (head chosen on val) | supervised reference | "
                   "fine-tuned - random [95% CI] | fine-tuned - frozen [95% CI] | fine-tuned - supervised [95% CI] |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
-                  f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen_attentive']['balanced_accuracy']:.3f} | "
+                  f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen']['balanced_accuracy']:.3f} | "
                   f"{_num(p['supervised']['balanced_accuracy']) if 'supervised' in p else ''} | "
                   f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
                   f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
@@ -424,6 +442,12 @@ def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> dict:
     return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"]
 
 
+def frozen_probe(fitted: dict) -> np.ndarray:
+    """The frozen probe a fine-tuned encoder is set against: its encoder's head chosen on val (the
+    check's rule), not a fixed kind."""
+    return fitted[check_probes.CHOSEN]["prob"]
+
+
 def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
               tuned: dict | None = None) -> dict:
     """Heads on every encoder's features: the two tasks on all labels, the binary task's
@@ -445,19 +469,19 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     for f in sorted(people):
         ff = check_probes.narrowed(fs, rows, people[f])
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
-            frozen[f] = check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff)["attentive"]["prob"]
+            frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff))
             continue
         encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff)
                 for e in ("pretrained", "random_init")}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
         if f in tuned:
-            frozen[f] = encs["pretrained"]["attentive"]["prob"]
+            frozen[f] = frozen_probe(encs["pretrained"])
             if "supervised" in encs:
                 sup_chosen[f] = encs["supervised"][check_probes.CHOSEN]["prob"]
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
-    out["label_efficiency"] = {"task": BINARY, "points": curve}
+    out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION}
     if tuned:
         out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}
     return out
@@ -481,9 +505,6 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
                         "baselines=true", *probe_args])
-    if finetune_fractions and "attentive" not in pcfg.heads:
-        raise cli.UsageError("--probe heads=...: the fine-tuning rows compare with the frozen attentive probe; "
-                             "keep attentive among the heads")
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -512,6 +533,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
               "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
               **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
+    if spec.protocol == "scanners":
+        result["pretraining"] = TRANSDUCTIVE
     result["verdict"] = verdict(result)
     if "finetune" in result:
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])

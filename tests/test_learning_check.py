@@ -73,11 +73,11 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     tuned = res2["finetune"]["points"]                                   # fine-tuned from the checkpoint and from random
     assert [p["fraction"] for p in tuned] == [0.5, 1.0]
     assert again.stdout.strip().splitlines()[-1] == res2["finetune"]["verdict"]
-    attentive = res["tasks"]["diabetic"]["comparisons"]["attentive"]["pretrained"]
-    assert tuned[-1]["frozen_attentive"]["balanced_accuracy"] == attentive       # the frozen probe it is set against
+    chosen = res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["pretrained"]
+    assert tuned[-1]["frozen"]["balanced_accuracy"] == chosen       # the frozen probe (val's head) it is set against
     for p in tuned:
         for key, a, b in (("pretrained_minus_random_init", "pretrained", "random_init"),
-                          ("finetuned_minus_frozen", "pretrained", "frozen_attentive")):
+                          ("finetuned_minus_frozen", "pretrained", "frozen")):
             assert abs(p[key]["difference"] - (p[a]["balanced_accuracy"] - p[b]["balanced_accuracy"])) < 1e-9
     assert "supervised" not in tuned[0]                                  # no reference trained on 50% of labels
     full_sup = points[-1]["supervised"]["balanced_accuracy"]             # 100%: the reference on the same labels
@@ -165,3 +165,27 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     with open(copy / "ingest" / "synth.py", "a") as f:
         f.write("\n# an edit\n")
     assert run() == (second, False)                                  # a generator edit: the cohort anew
+
+
+def test_the_supervised_reference_is_named_for_its_participants():
+    """Issue 40, item 9: a reference trained on one label fraction's participants is not reused for
+    another subset (a re-run with `--probe seed=N` draws other participants)."""
+    from pathlib import Path
+
+    a = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1002"}, "_10pct")
+    b = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1003"}, "_10pct")
+    full = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], None, "")
+    assert a != b and a.startswith("supervised_") and "_10pct_" in a
+    assert full == learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], None, "")
+    assert Path(full).name == full
+
+
+def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
+    """Issue 40, item 8: 'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
+    assert learning_check.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
+                                        "chosen_on_val": {"prob": "L"}}) == "L"
+    verdict = learning_check.finetune_verdict([{
+        "fraction": 0.1, "pretrained": {"balanced_accuracy": 0.70}, "random_init": {"balanced_accuracy": 0.6},
+        "frozen": {"balanced_accuracy": 0.65}, "pretrained_minus_random_init": {"difference": 0.1,
+                                                                              "difference_ci95": [0.02, 0.18]}}])
+    assert "PASS" in verdict and "frozen probe (head chosen on val) 0.650" in verdict
