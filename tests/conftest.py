@@ -26,6 +26,21 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
+def train_here(*args: str) -> str:
+    """`make pretrain` in this process (configs/pretrain_smoke.yaml, then `args`): its stdout.
+    For tests that run several short trainings and read their files: a subprocess costs about 6 s
+    of imports (torch, MONAI, dynamo through the optimizer, matplotlib) per run on 2 cores."""
+    import contextlib
+    import io
+
+    from train import pretrain
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pretrain.main(["--config", str(REPO / "configs" / "pretrain_smoke.yaml"), "--no-progress", *args]) == 0
+    return out.getvalue()
+
+
 def assert_same_cache(cache: Path, clean: Path, except_paths: tuple[str, ...] = ()) -> None:
     """The same manifest (timings and source URIs aside) and the same bytes in every ok volume,
     for every row but `except_paths`."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args
+from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args, train_here
 from evals import finetune
 from evals.config import FinetuneConfig
 from octfm import config
@@ -25,9 +25,7 @@ QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=f
 def pretrained(signal_cache, tmp_path_factory):
     """A checkpoint of a 2-step pretraining run on the planted-signal cache."""
     root = tmp_path_factory.mktemp("finetune")
-    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
-                *tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
-    assert r.returncode == 0, r.stderr
+    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
     return root / "runs" / "p" / "checkpoints" / "step_0000002.pt"
 
 
@@ -112,6 +110,7 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
 
 
+@pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
 def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
     args = ["--no-progress", "--ckpt", str(pretrained), "epochs=2", *QUICK]
     whole = run_cli("evals.finetune", *args, f"out={tmp_path / 'whole'}")

@@ -6,7 +6,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from conftest import run_cli, tiny_train_args
+from conftest import run_cli, tiny_train_args, train_here
 from evals import leaderboard
 from evals.probe import ProbeConfig
 from octfm import config
@@ -19,9 +19,7 @@ TASKS = ("study_group", "diabetic")
 
 def pretrain(cache, root, max_steps: int) -> None:
     """Train (or resume) run `a` up to max_steps, a checkpoint every 2 steps."""
-    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
-                *tiny_train_args(cache, root / "runs", name="a", max_steps=max_steps, ckpt_every=2))
-    assert r.returncode == 0, r.stderr
+    train_here(*tiny_train_args(cache, root / "runs", name="a", max_steps=max_steps, ckpt_every=2))
 
 
 def fast_cfg() -> ProbeConfig:

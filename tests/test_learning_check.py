@@ -123,6 +123,7 @@ def test_supervised_code_covers_what_the_reference_imports_from_evals():
     assert seen == {c for c in learning_check.SUPERVISED_CODE if c.startswith("evals/")}
 
 
+@pytest.mark.slow  # six subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
     instead of answering "nothing to do" from runs older code made), editing the probes keeps the

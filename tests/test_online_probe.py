@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_train_args
+from conftest import run_cli, tiny_train_args, train_here
 
 from octfm import config
 from evals import features
@@ -86,10 +86,8 @@ def test_run_logs_the_probe_at_step_0_and_every_eval_every_and_shows_it(tiny_cac
         for task in ("study_group", "diabetic"):
             assert 0.0 <= rec[f"{task}/knn_bal_acc"] <= 1.0 and 0.0 <= rec[f"{task}/ridge_bal_acc"] <= 1.0
     # resumed: no second step-0 floor, the probe continues at the next multiple
-    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
-                *tiny_train_args(tiny_cache, tmp_path, name="p", max_steps=6, eval_every=2,
-                                 **{"online_probe.max_train": 6, "online_probe.k": 3}))
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(*tiny_train_args(tiny_cache, tmp_path, name="p", max_steps=6, eval_every=2,
+                                **{"online_probe.max_train": 6, "online_probe.k": 3}))
     steps = [json.loads(x)["step"] for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["split"] == "probe"]
     assert steps == [0, 2, 4, 6]

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
-from conftest import run_cli, tiny_train_args
+from conftest import run_cli, tiny_train_args, train_here
 from evals import probe
 from evals import probe_metrics as pm
 from octfm import config
@@ -82,9 +82,7 @@ def test_paired_difference_resamples_participants_together():
 def signal_run(signal_cache, tmp_path_factory):
     """A checkpoint from a 2-step pretraining run on the planted-signal cache."""
     root = tmp_path_factory.mktemp("probe")
-    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",
-                *tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
-    assert r.returncode == 0, r.stderr
+    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
     return root
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, free_port, run_cli, tiny_train_args
+from conftest import REPO, free_port, run_cli, tiny_train_args, train_here
 
 from octfm import cli, config
 from train import checkpoint, data, pretrain, runtime
@@ -16,10 +16,9 @@ from train.config import TrainConfig
 SMOKE = "configs/pretrain_smoke.yaml"
 
 
-def _train(cache, runs, **extra):
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *tiny_train_args(cache, runs, **extra))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+def _train(cache, runs, *args, **extra) -> str:
+    """A short run in this process (conftest.train_here); its stdout."""
+    return train_here(*args, *tiny_train_args(cache, runs, **extra))
 
 
 def _logged(runs, name="t") -> dict:
@@ -34,8 +33,8 @@ def _logged(runs, name="t") -> dict:
 def test_raising_max_steps_runs_a_constant_tail_at_the_final_values(tiny_cache, tmp_path):
     runs = tmp_path / "runs"
     _train(tiny_cache, runs, max_steps=6, ckpt_every=6)
-    r = _train(tiny_cache, runs, max_steps=9, ckpt_every=3)
-    assert "constant tail" in r.stdout and "max_steps 6 -> 9" in r.stdout
+    out = _train(tiny_cache, runs, max_steps=9, ckpt_every=3)
+    assert "constant tail" in out and "max_steps 6 -> 9" in out
     cfg = config.load(TrainConfig, SMOKE, tiny_train_args(tiny_cache, runs))
     log = _logged(runs)
     for step in (7, 8, 9):  # the lr and momentum the step ran with
@@ -49,10 +48,8 @@ def test_lowering_max_steps_stops_early_on_the_first_schedule(tiny_cache, tmp_pa
     full, short = tmp_path / "full", tmp_path / "short"
     _train(tiny_cache, full, max_steps=10, ckpt_every=3)
     step3 = str(full / "t" / "checkpoints" / "step_0000003.pt")
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", "--ckpt", step3,
-                *tiny_train_args(tiny_cache, short, max_steps=5, ckpt_every=5))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "stops at step 5" in r.stdout
+    out = _train(tiny_cache, short, "--ckpt", step3, max_steps=5, ckpt_every=5)
+    assert "stops at step 5" in out
     a, b = _logged(full), _logged(short)
     assert max(b) == 5
     assert [b[s]["lr"] for s in (4, 5)] == [a[s]["lr"] for s in (4, 5)]
@@ -67,9 +64,7 @@ def test_an_older_checkpoint_takes_its_configs_max_steps_as_horizon(tiny_cache, 
         st.pop(key)
     st["scheduler"] = {"step": 3}
     old = checkpoint.save(st, str(tmp_path / "old"), 3)
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", "--ckpt", old,
-                *tiny_train_args(tiny_cache, more, max_steps=12, ckpt_every=12))
-    assert r.returncode == 0, r.stderr[-3000:]
+    _train(tiny_cache, more, "--ckpt", old, max_steps=12, ckpt_every=12)
     a, b = _logged(full), _logged(more)
     assert [b[s]["lr"] for s in range(4, 11)] == [a[s]["lr"] for s in range(4, 11)]
     assert [b[s]["loss"] for s in range(4, 11)] == [a[s]["loss"] for s in range(4, 11)]  # the same data, too
