@@ -25,7 +25,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
     assert "no vjepa2 checkout" in res["reference"]["skipped"]
     ld = res["loader"]
-    assert ld["volumes_per_s"] > 0 and 0 <= ld["data_wait_frac"] <= 1 and ld["workers"] >= 1
+    assert 0 <= ld["data_wait_frac"] <= 1 and ld["workers"] >= 1 and ld["run_samples_per_s"] > 0
     md = (out / "device_check.md").read_text()
     for line in ("MFU of the production (ViT-B) step", "octfm / vjepa2: not measured", "data wait with the default loader",
                  "CUDA tests: 0 passed"):

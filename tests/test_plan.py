@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from octfm import config
+from octfm import cli, config
 from train import attention, masks, plan
 from train.config import TrainConfig
 from train.model import JEPA, Block, target_features
@@ -105,11 +105,11 @@ def test_production_configs_fit_the_hardware_their_comments_name(config_path, ac
     assert plan.make_plan(config.load(TrainConfig, config_path), accel, chips).fits
 
 
-def test_make_plan_prints_the_margin_and_exits_by_the_verdict(tmp_path):
-    r = run_cli("train.plan", "--config", PRODUCTION, "--accel", "tpu-v4", "--chips", "16")
+def test_make_plan_prints_the_margin_and_exits_by_the_verdict(capsys):
+    r = run_cli("train.plan", "--config", PRODUCTION, "--accel", "tpu-v4", "--chips", "16")  # as make plan runs it
     assert r.returncode == 0, r.stderr
     assert "fits on tpu-v4 at batch 4 per chip: margin +" in r.stdout and "the largest batch that fits is" in r.stdout
-    r = run_cli("train.plan", "--config", PRODUCTION, "--accel", "tpu-v5e", "--chips", "16", "batch_size=64")
-    assert r.returncode == 1 and "does NOT fit" in r.stdout
-    r = run_cli("train.plan", "--config", PRODUCTION, "--accel", "tpu-v4", "batch_size=6")
-    assert r.returncode == 2 and "batch_size 6 does not divide over the 4 chips" in r.stderr
+    assert plan.main(["--config", PRODUCTION, "--accel", "tpu-v5e", "--chips", "16", "batch_size=64"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    with pytest.raises(cli.UsageError, match="batch_size 6 does not divide over the 4 chips"):
+        plan.main(["--config", PRODUCTION, "--accel", "tpu-v4", "batch_size=6"])
