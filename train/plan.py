@@ -6,11 +6,11 @@ to on that accelerator: parameters, the EMA target, gradients, AdamW state, the 
 copies (XLA), and per sample the activations kept for the backward, block by block. It says
 whether the config's batch fits, with what margin, and the largest batch per chip that does.
 
-Activation bytes follow what autograd saves (counted per tensor in tests/test_plan.py, which
-holds the formulas within 10% of `saved_bytes` on a CPU): under bf16 autocast the residual
+Activation bytes follow what autograd saves (tests/test_plan.py counts the storages it keeps
+on a CPU: equal for a block, within 3% for the whole student): under bf16 autocast the residual
 stream and layer-norm inputs are float32, matmul inputs and outputs bfloat16. It is an estimate:
-XLA and the CUDA caching allocator add fragmentation and workspace, so a config should keep the
-printed headroom (docs/accelerators.md).
+XLA and the CUDA caching allocator add fragmentation and workspace, which the usable share of
+each chip's memory leaves room for (docs/accelerators.md).
 """
 from __future__ import annotations
 
