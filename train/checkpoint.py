@@ -93,8 +93,15 @@ def write_log(ckpt_dir: str) -> list[str]:
     return names
 
 
-def _modified(info: dict) -> float:
-    value = info.get("mtime") or info.get("updated") or info.get("LastModified") or 0
+def _store_time(info: dict):
+    """A store's modification time from an fsspec info (local mtime, GCS updated, S3
+    LastModified), else the object generation; None where it has none."""
+    return info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
+
+
+def _write_time(info: dict) -> float:
+    """`_store_time` as seconds, for ordering writes."""
+    value = _store_time(info) or 0
     if hasattr(value, "timestamp"):
         return value.timestamp()
     if isinstance(value, str):
@@ -116,8 +123,8 @@ def write_order(ckpt_dir: str) -> list[str]:
                      reverse=True)
     log = [n for n in write_log(ckpt_dir) if n in infos]
     unlogged = [n for n in present if n not in log]
-    pointer_time = _modified(infos[POINTER]) if POINTER in infos else float("-inf")
-    after = [n for n in unlogged if _modified(infos[n]) > pointer_time] if log else []
+    pointer_time = _write_time(infos[POINTER]) if POINTER in infos else float("-inf")
+    after = [n for n in unlogged if _write_time(infos[n]) > pointer_time] if log else []
     return after + log + [n for n in unlogged if n not in after]
 
 
@@ -133,14 +140,16 @@ def candidates(ckpt_dir: str) -> list[str]:
 def _following_pointer(uri: str, read):
     """read(resolved path), following latest.pt's pointer again when the file it named was
     pruned between resolving and reading (another process saved and pruned meanwhile)."""
-    for attempt in range(5):
-        path = resolve_latest(uri)
+    path = resolve_latest(uri)
+    for _ in range(4):
         try:
             return read(path)
         except FileNotFoundError:
-            if attempt == 4 or path == str(uri) or resolve_latest(uri) == path:
+            again = resolve_latest(uri)
+            if again == path:  # not a pointer that moved on: the file is missing
                 raise
-    raise AssertionError("unreachable")
+            path = again
+    return read(path)
 
 
 def identity(uri: str) -> dict:
@@ -152,8 +161,7 @@ def identity(uri: str) -> dict:
         return p, fs.info(p)
 
     path, info = _following_pointer(uri, info_of)
-    modified = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("generation")
-    return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(modified)}
+    return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(_store_time(info))}
 
 
 def write(state: dict, uri: str) -> None:
@@ -164,40 +172,30 @@ def write(state: dict, uri: str) -> None:
 
 
 def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
-    """Write step_<N>.pt atomically, then point latest at it; prune beyond keep_last."""
+    """Write step_<N>.pt atomically, then point latest at it (`point_latest`), keeping the
+    keep_last most recently written step files."""
     path = step_uri(ckpt_dir, step)
     write(state, path)
-    point_latest(ckpt_dir, path)
-    if keep_last:
-        prune(ckpt_dir, keep_last)
+    point_latest(ckpt_dir, path, keep_last)
     return path
 
 
-def point_latest(ckpt_dir: str, path: str) -> None:
-    """latest.txt names `path` first, then the earlier saves still present (the write log),
-    atomically. A real latest.pt (a copy left by saves before the pointer) is removed first, or
-    it would go on answering for latest.pt."""
+def point_latest(ckpt_dir: str, path: str, keep_last: int | None = None) -> None:
+    """latest.txt names `path` first, then the earlier saves kept (the write log), atomically;
+    then the step files beyond keep_last in write order are deleted (never the pointed one, and
+    only after the pointer stops naming them). A real latest.pt (a copy left by saves before the
+    pointer) is removed first, or it would go on answering for latest.pt."""
     legacy = fsio.join(ckpt_dir, LATEST)
     if fsio.exists(legacy):
         fs, p = fsio.filesystem(legacy)
         fs.rm(p)
     name = posixpath.basename(path)
     log = [name] + [n for n in write_order(ckpt_dir) if n != name]
-    fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), ("\n".join(log) + "\n").encode())
-
-
-def prune(ckpt_dir: str, keep_last: int) -> None:
-    """Delete all but the keep_last most recently written step files (write_order), never the
-    one latest points to."""
-    order = write_order(ckpt_dir)
-    pointed = posixpath.basename(resolve_latest(fsio.join(ckpt_dir, LATEST)))
-    for name in order[keep_last:]:
-        if name != pointed:
-            fs, p = fsio.filesystem(fsio.join(ckpt_dir, name))
-            fs.rm(p)
-    if order[keep_last:]:
-        log = [n for n in write_log(ckpt_dir) if n in order[:keep_last] or n == pointed]
-        fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), ("\n".join(log) + "\n").encode())
+    kept, dropped = (log[:keep_last], log[keep_last:]) if keep_last else (log, [])
+    fsio.atomic_write_bytes(fsio.join(ckpt_dir, POINTER), ("\n".join(kept) + "\n").encode())
+    for old in dropped:
+        fs, p = fsio.filesystem(fsio.join(ckpt_dir, old))
+        fs.rm(p)
 
 
 def list_steps(ckpt_dir: str) -> list[int]:

@@ -183,7 +183,7 @@ class Plan:
         shp, b = self.shapes, self.batch_per_chip
         verdict = "fits" if self.fits else "does NOT fit"
         seqs = ", ".join(f"{c} + {t}" for c, t in zip(shp.context, shp.targets))
-        rows = [(k, v) for k, v in self.static_gib.items()]
+        rows = list(self.static_gib.items())
         rows += [(f"{k} x {b:g}", v * b) for k, v in self.per_sample_gib.items()]
         width = max(len(k) for k, _ in rows) + 2
         return [
