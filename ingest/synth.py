@@ -89,6 +89,8 @@ LESION_EDGE = 4.0                     # the profile exp(-1.5 d^2) is cut at d^2 
 # thickness, and with it the global statistics, carry nothing of the label. A masked block of
 # the patch can be predicted from the visible rest of it: the cue V-JEPA's latent term should learn.
 BUMP_RADIUS = (0.35, 0.6)
+LESION_TABLE = "lesions.tsv"  # at the cohort's root: where every lesion sits (lesion_table)
+LESION_COLUMNS = ("kind", "layer", "y", "x", "z", "radius_y", "radius_x", "radius_z", "contrast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,24 +205,16 @@ def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, lateralit
     return render_volume(shape, draw_volume(shape, rng), laterality, label, signal, eye)
 
 
-def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: str = "R",
-                  label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
-    """A retina-like uint8 volume [frames, rows, cols] from its random draws.
-
-    `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
-    probe can learn (issue: probes on planted signal).
-    A vessel arches from the disc towards frame 0 only and shadows the tissue below it: an
-    up-down marker, so a frame-reversed cube shows its arc at the bottom of an en-face image.
-    `eye` adds lesions and per-eye thickness and brightness (the learning-check cohort).
-    """
+def layer_bounds(y: np.ndarray, x: np.ndarray, tilt: float, lift: float, laterality: str = "R",
+                 label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
+    """Depth (fraction of the rows, 0 at the top) of every layer boundary at frame coordinates `y`
+    and column coordinates `x` (both in [-1, 1], broadcast): [..., len(LAYERS) + 1], the retinal
+    surface first. One formula for rendering and for the lesion table's depths."""
     eye = eye or Eye()
-    frames, rows, cols = shape
-    y = np.linspace(-1, 1, frames, dtype=np.float32)[:, None]
-    x = np.linspace(-1, 1, cols, dtype=np.float32)[None, :]
     disc_x = 0.85 if laterality == "R" else -0.85
     r2 = x ** 2 + y ** 2
     fovea = np.exp(-r2 / 0.03)
-    surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + draws.tilt * x + 0.035 * fovea + draws.lift
+    surface = 0.36 - 0.08 * x ** 2 - 0.03 * y ** 2 + tilt * x + 0.035 * fovea + lift
     thick, moved = [], 0.0
     for name, t, _ in LAYERS:
         t = np.full_like(surface, t)
@@ -237,8 +231,41 @@ def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: s
         elif name == "onl":
             t = t - moved
         thick.append(t * eye.thickness)
-    bounds = surface[..., None] + np.cumsum(np.stack(thick, -1), -1)           # [F, C, L]
-    bounds = np.concatenate([surface[..., None], bounds], -1)                   # [F, C, L+1]
+    bounds = surface[..., None] + np.cumsum(np.stack(thick, -1), -1)
+    return np.concatenate([surface[..., None], bounds], -1)
+
+
+def lesion_table(draws: VolumeDraws, laterality: str, label: int | None, signal: float, eye: Eye | None) -> list[dict]:
+    """Where each lesion of an eye sits, in the rendered (upright) volume's coordinates: frame `y`
+    and column `x` in [-1, 1] (linspace over the axis), depth `z` in [0, 1] (row centres at
+    (i + 0.5) / rows), the radii on those axes and the kind. The token-level probe reads it
+    (evals/token_probe.py); a cache resized over the whole extent keeps these fractions."""
+    out = []
+    for les in (eye.lesions if eye else ()):
+        b = layer_bounds(np.float32(les.y), np.float32(les.x), draws.tilt, draws.lift, laterality, label, signal, eye)
+        k = LAYER_INDEX[les.layer]
+        out.append({"kind": "focus" if les.contrast > 0 else "cyst", "layer": les.layer, "y": les.y, "x": les.x,
+                    "z": float((b[k] + b[k + 1]) / 2), "radius_y": les.radii[0], "radius_x": les.radii[1],
+                    "radius_z": les.radii[2], "contrast": les.contrast})
+    return out
+
+
+def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: str = "R",
+                  label: int | None = None, signal: float = 0.0, eye: Eye | None = None) -> np.ndarray:
+    """A retina-like uint8 volume [frames, rows, cols] from its random draws.
+
+    `signal` > 0 plants a class cue: the inner nuclear layer thickens with the label, which a
+    probe can learn (issue: probes on planted signal).
+    A vessel arches from the disc towards frame 0 only and shadows the tissue below it: an
+    up-down marker, so a frame-reversed cube shows its arc at the bottom of an en-face image.
+    `eye` adds lesions and per-eye thickness and brightness (the learning-check cohort).
+    """
+    eye = eye or Eye()
+    frames, rows, cols = shape
+    y = np.linspace(-1, 1, frames, dtype=np.float32)[:, None]
+    x = np.linspace(-1, 1, cols, dtype=np.float32)[None, :]
+    disc_x = 0.85 if laterality == "R" else -0.85
+    bounds = layer_bounds(y, x, draws.tilt, draws.lift, laterality, label, signal, eye)  # [F, C, L+1]
     levels = np.array([VITREOUS] + [b for _, _, b in LAYERS] + [SCLERA], dtype=np.float32)
     z = (np.arange(rows, dtype=np.float32) + 0.5) / rows
     arc = -0.7 * np.sqrt(np.clip(np.abs(x - disc_x) / 1.7, 0, 1))                # vessel centre line (frames)
@@ -450,6 +477,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
     people = _participants(cfg)
     people.to_csv(out / "participants.tsv", sep="\t", index=False)
     rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "octa": 0}
+    lesion_rows: list[dict] = []
     device_names = list(DEVICES)
     study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
 
@@ -507,12 +535,18 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
                 rel = add_file(pid, spec, lat, name, b"" if job is None else None, shape, uid, imaging)
                 if job is not None:
                     writer.submit(job, out / rel, None if octa else spec.compress)
+                    lesion_rows += [{"participant_id": pid, "filepath": "/" + rel, **les} for les in
+                                    lesion_table(job.draws, lat, label, cfg.signal, job.eye)]
                 counts["good"] += 1
                 counts["octa"] += octa
 
     if cfg.bad_files:
         _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
     pd.DataFrame(rows).to_csv(out / "retinal_oct" / "manifest.tsv", sep="\t", index=False)
+    if cfg.lesions is not None:  # the answer key of the lesions cue, per volume (not part of AI-READI)
+        pd.DataFrame(lesion_rows, columns=["participant_id", "filepath", *LESION_COLUMNS]).to_csv(
+            out / LESION_TABLE, sep="\t", index=False)
+        counts["lesions"] = len(lesion_rows)
     if cfg.zipped:
         counts["archives"] = zip_layout(out)
     return counts

@@ -179,6 +179,42 @@ def test_generator_bytes_do_not_depend_on_workers(tmp_path):
     synth.generate(tmp_path / "one", cfg, workers=0)
     synth.generate(tmp_path / "pool", cfg, workers=2)
     one, pool = _tree_bytes(tmp_path / "one"), _tree_bytes(tmp_path / "pool")
-    assert list(one) == list(pool) and len(one) == 2 + 6 * 2 + 1  # two tables, both eyes, one OCTA cube
+    assert list(one) == list(pool) and len(one) == 3 + 6 * 2 + 1  # three tables, both eyes, one OCTA cube
     assert [k for k in one if one[k] != pool[k]] == []
     assert synth.default_workers(dataclasses.replace(cfg, participants=synth.POOL_FROM - 1)) == 0
+
+
+def test_the_lesion_table_points_at_the_voxels_each_lesion_changed():
+    """lesion_table's centres, mapped to voxels as the token probe maps them, land where the
+    rendered volume differs from the same eye without lesions, brighter for a focus and darker
+    for a cyst."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    shape = (32, 128, 96)
+    draws = synth.draw_volume(shape, rng)
+    eye = synth.sample_eye(3, rng, lesions=1.0)
+    plain = synth.render_volume(shape, draws, "L", 3, 0.0, dataclasses.replace(eye, lesions=()))
+    marked = synth.render_volume(shape, draws, "L", 3, 0.0, eye)
+    diff = marked.astype(int) - plain.astype(int)
+    table = synth.lesion_table(draws, "L", 3, 0.0, eye)
+    assert len(table) == len(eye.lesions) >= 3
+    right = 0
+    for les in table:
+        f = round((les["y"] + 1) / 2 * (shape[0] - 1))
+        c = round((les["x"] + 1) / 2 * (shape[2] - 1))
+        r = int(les["z"] * shape[1])
+        right += np.sign(diff[f, r, c]) == (1 if les["kind"] == "focus" else -1)
+    assert right >= len(table) - 1, (right, table)
+    assert not diff[:, :30].any()  # lesions sit in the inner retina: the vitreous above is untouched
+
+
+def test_the_cohort_writes_its_lesion_table(tmp_path):
+    import pandas as pd
+
+    cfg = dataclasses.replace(learning_check.COHORT, participants=4, scale=16)
+    counts = synth.generate(tmp_path, cfg, workers=0)
+    table = pd.read_csv(tmp_path / synth.LESION_TABLE, sep="\t", dtype={"participant_id": str})
+    files = set(pd.read_csv(tmp_path / "retinal_oct" / "manifest.tsv", sep="\t")["filepath"])
+    assert len(table) == counts["lesions"] > 0 and set(table["filepath"]) <= files
+    assert set(table["kind"]) <= {"focus", "cyst"} and table["z"].between(0.2, 0.8).all()
