@@ -18,7 +18,9 @@ from evals.config import ProbeConfig
 from manifests.aireadi import TASKS
 
 CHOSEN = "chosen_on_val"  # per fold, the head kind chosen on val (one_se_choice)
-SIMPLEST_FIRST = ("linear", "attentive")  # the order the one-standard-error rule prefers
+# the order the one-standard-error rule prefers: by parameters per head (d x classes; 4 d + 4 d x classes;
+# 2 x 64 d + 64 + d x classes)
+SIMPLEST_FIRST = ("linear", "attentive", "mil")
 
 
 def folds(rows: list[dict], protocol: str) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:

@@ -42,7 +42,7 @@ class FinetuneConfig:
     cache: str | None = None           # None: the cache the checkpoint was trained on
     out: str | None = None             # run folder; None: runs/finetune_<task>_<init>[_<pct>pct]
     task: str = "diabetic"
-    head: Literal["linear", "attentive"] = "linear"      # the probes' heads (evals/probe_heads.py)
+    head: Literal["linear", "attentive", "mil"] = "linear"      # the probes' heads (evals/probe_heads.py)
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
     epochs: int = 40

@@ -94,11 +94,11 @@ class Classifier(nn.Module):
         super().__init__()
         self.encoder, self.kind, self.token_pool = enc, head, tuple(token_pool)
         dim = enc.norm.normalized_shape[0]
-        self.head = (probe_heads.AttentiveHeads if head == "attentive" else probe_heads.LinearHeads)(1, dim, classes)
+        self.head = probe_heads.make_heads(head, 1, dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(x)
-        tokens = self.encoder.pool_grid(h, self.token_pool) if self.kind == "attentive" else None
+        tokens = self.encoder.pool_grid(h, self.token_pool) if probe_heads.reads_tokens(self.kind) else None
         return self.head(self.encoder.pool(h), tokens)[:, 0]            # [B, classes]
 
 

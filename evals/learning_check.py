@@ -30,7 +30,7 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import check_probes, finetune, probe, subsets, supervised
+from evals import check_probes, finetune, probe, subsets, supervised, token_probe
 from evals.config import FinetuneConfig, ProbeConfig
 from ingest import synth
 from octfm import cli, config, fsio, plots
@@ -361,6 +361,8 @@ def markdown(result: dict) -> str:
                   f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
                   for p in result["finetune"]["points"]]
         lines.append("")
+    if result.get("token_probe"):
+        lines += [f"Is the lesion in the tokens? {result['token_probe']['line']} (evals/token_probe.py).", ""]
     tr = result["training"]
     if tr:
         lines += [f"Pretraining: {tr['steps']} steps, loss {tr['loss'][0]:.4f} -> {tr['loss'][1]:.4f}, "
@@ -524,6 +526,10 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
             tuned[frac] = {init: stages.run(f"fine-tuning ({init} init), {pct(frac)} of labels", lambda init=init, frac=frac: (
                 finetuned(ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
                           finetune_args))) for init in ("pretrained", "random")}
+    tokens = None
+    if spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists():  # a generated cohort's answer key
+        tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
+                                                                   cache, pcfg.seed))
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned))
     result = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
@@ -533,6 +539,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
               "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
               **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
+    if tokens:
+        result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
     if spec.protocol == "scanners":
         result["pretraining"] = TRANSDUCTIVE
     result["verdict"] = verdict(result)

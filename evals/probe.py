@@ -1,7 +1,7 @@
 """`make probe CONFIG=configs/probe.yaml [CKPT=...]`: frozen-encoder probes for diabetes status.
 
 Features are extracted once per checkpoint and cache (kept under the run's probe folder);
-a grid of linear and attentive heads trains from them in seconds, is chosen on val and
+a grid of heads (evals/probe_heads.py) trains from them in seconds, is chosen on val and
 reported on test, with participant-level bootstrap intervals, per-device results,
 cross-device transfer, and the same probes on a random encoder plus a majority predictor.
 """
@@ -19,6 +19,7 @@ import pandas as pd
 from evals import features
 from evals.config import ProbeConfig
 from evals import probe_metrics as pm
+from evals import probe_heads
 from evals.probe_heads import train_heads
 from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
@@ -79,7 +80,7 @@ def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=
     grid = [(lr, wd) for lr in cfg.lrs for wd in cfg.weight_decays]
     tr = (split == "train") if train_mask is None else train_mask
     va = (split == "val") if val_mask is None else val_mask
-    tokens = feats["tokens"].astype(np.float32) if kind == "attentive" else None
+    tokens = feats["tokens"].astype(np.float32) if probe_heads.reads_tokens(kind) else None
     predict = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
                           classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight)
     probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
@@ -215,6 +216,9 @@ def check_tasks(cfg: ProbeConfig) -> None:
     unknown = [t for t in cfg.tasks if t not in TASKS]
     if unknown:
         raise cli.UsageError(f"tasks: unknown task {unknown[0]!r} (known: {', '.join(TASKS)})")
+    unknown = [h for h in cfg.heads if h not in probe_heads.HEADS]
+    if unknown:
+        raise cli.UsageError(f"heads: unknown head kind {unknown[0]!r} (known: {', '.join(probe_heads.HEADS)})")
 
 
 def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None) -> dict:

@@ -1,6 +1,10 @@
 """Many probe heads trained at once on frozen features: a grid of learning rate x weight
-decay for a linear probe (the pooled tokens, `model.pool`) and an attentive probe (a learned query
-attends over the tokens). Heads share nothing, so one summed loss trains them all. The same heads
+decay for a linear probe (the pooled tokens, `model.pool`), an attentive probe (learned queries
+attend over the tokens), and a readout for a few informative tokens among many (issue 41):
+gated-attention multiple-instance pooling. (A top-k readout of per-token class scores was tried
+and left out: on the two-marked-tokens test of tests/test_probe.py it trained to 0.48 or to 0.95
+depending on the learning rate and the number of bags; docs/learning-check.md, decision 9.)
+Heads share nothing, so one summed loss trains them all. The same heads
 sit on a fine-tuned encoder (`make finetune`); `load_classifier` reads one from its model folder."""
 from __future__ import annotations
 
@@ -46,6 +50,43 @@ class AttentiveHeads(nn.Module):
         return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
 
 
+class GatedMILHeads(nn.Module):
+    """Gated-attention multiple-instance pooling (Ilse, Tomczak and Welling, ICML 2018): a small
+    gated network scores each token, the softmax of the scores weights the tokens, and a linear
+    classifier reads the weighted sum. Unlike the attentive head's fixed queries, the score is a
+    nonlinear function of the token, so it can single out a rare kind of token."""
+
+    def __init__(self, n_heads: int, dim: int, classes: int, hidden: int = 64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.v = nn.Parameter(torch.randn(n_heads, dim, hidden) / math.sqrt(dim))
+        self.u = nn.Parameter(torch.randn(n_heads, dim, hidden) / math.sqrt(dim))
+        self.a = nn.Parameter(torch.zeros(n_heads, hidden))                       # uniform weights at first
+        self.w = nn.Parameter(torch.zeros(n_heads, dim, classes))
+        self.b = nn.Parameter(torch.zeros(n_heads, classes))
+
+    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        t = self.norm(tokens)                                                   # [B, N, d]
+        gate = torch.tanh(torch.einsum("bnd,hdk->bhnk", t, self.v)) * torch.sigmoid(torch.einsum("bnd,hdk->bhnk", t, self.u))
+        att = torch.softmax(torch.einsum("bhnk,hk->bhn", gate, self.a), dim=-1)
+        z = torch.einsum("bhn,bnd->bhd", att, t)
+        return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+
+
+HEADS = {"linear": LinearHeads, "attentive": AttentiveHeads, "mil": GatedMILHeads}
+
+
+def make_heads(kind: str, n_heads: int, dim: int, classes: int) -> nn.Module:
+    if kind not in HEADS:
+        raise ValueError(f"head kind {kind!r}: one of {', '.join(HEADS)}")
+    return HEADS[kind](n_heads, dim, classes)
+
+
+def reads_tokens(kind: str) -> bool:
+    """Whether a head kind reads the (grid-pooled) tokens rather than the pooled vector."""
+    return kind != "linear"
+
+
 def class_weights(y, classes: int) -> torch.Tensor:
     """Balanced cross-entropy weights: n / (classes x count) per class, 0 for an absent class."""
     counts = np.bincount(np.asarray(y), minlength=classes).astype(np.float64)
@@ -56,7 +97,7 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
                 y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True):
     """Train one head per (lr, wd) on the training features; returns a predict function."""
     torch.manual_seed(seed)
-    heads = (AttentiveHeads if kind == "attentive" else LinearHeads)(len(grid), pooled.shape[1], classes)
+    heads = make_heads(kind, len(grid), pooled.shape[1], classes)
     opt = _HeadAdamW(heads, grid)
     weight = class_weights(y, classes) if class_weight else None
     P = torch.from_numpy(pooled).float()
@@ -131,7 +172,7 @@ class CachedVolumeClassifier(nn.Module):
     @torch.no_grad()
     def forward(self, volumes: torch.Tensor) -> torch.Tensor:
         out = self.encoder(volumes)
-        tokens = self.encoder.encoder.pool_grid(out.tokens, self.token_pool) if self.kind == "attentive" else None
+        tokens = self.encoder.encoder.pool_grid(out.tokens, self.token_pool) if reads_tokens(self.kind) else None
         return torch.softmax(self.head(out.pooled, tokens)[:, 0].float(), -1)
 
 
@@ -144,6 +185,6 @@ def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> C
         raise ValueError(f"{Path(folder) / encoder.CONFIG_FILE}: no task head (a pretrained encoder; `make finetune` "
                          "then `make export` writes one)")
     h = cfg["head"]
-    head = (AttentiveHeads if h["kind"] == "attentive" else LinearHeads)(1, cfg["architecture"]["dim"], len(h["classes"]))
+    head = make_heads(h["kind"], 1, cfg["architecture"]["dim"], len(h["classes"]))
     head.load_state_dict(load_file(str(Path(folder) / h["file"])))
     return CachedVolumeClassifier(encoder.load_encoder(folder), head, h["kind"], h["token_pool"], h["classes"]).to(device).eval()

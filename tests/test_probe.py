@@ -140,3 +140,25 @@ def test_participant_leak_is_refused(signal_cache, tmp_path):
     df.to_parquet(tmp_path / "manifest.parquet" / "part-0000-of-0001.parquet")
     with pytest.raises(UsageError, match="more than one split"):
         probe.labelled_rows(str(tmp_path), 0, False)
+
+
+@pytest.mark.parametrize("kind", ["mil"])
+def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(kind):
+    """A bag is positive when 2 of its 72 tokens carry a mark (a shift along one direction, buried
+    in noise), as a few lesion tokens sit among the grid-pooled tokens; the mean of the tokens
+    hides it. The token heads read it on held-out bags; with the labels shuffled they cannot."""
+    from evals import probe_heads
+    from evals import probe_metrics as pm
+
+    rng = np.random.default_rng(0)
+    n, tokens, dim = 300, 72, 16
+    y = rng.integers(0, 2, n)
+    t = rng.normal(size=(n, tokens, dim)).astype(np.float32)
+    for i in np.flatnonzero(y):
+        t[i, rng.choice(tokens, 2, replace=False), 0] += 6.0
+    pooled = t.mean(1)
+    tr, te = np.arange(n) < 200, np.arange(n) >= 200
+    for labels, lo, hi in ((y, 0.9, 1.0), (rng.permutation(y), 0.0, 0.65)):
+        predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], t[tr], labels[tr], 2, 30, 32, 0)
+        acc = pm.balanced_accuracy(labels[te], predict(pooled[te], t[te])[0].argmax(1), 2)
+        assert lo <= acc <= hi, (kind, acc)
