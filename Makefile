@@ -40,7 +40,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check learning-check-device mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan
 
 help:
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
@@ -52,7 +52,8 @@ help:
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
-	@echo "make learning-check  [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
+	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
+	@echo "make learning-check-device OUT=<folder>   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -143,12 +144,24 @@ device-check:
 	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
 	  PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m bench.device_check --out $(OUT) $(ARGS)
 
+# On the GPU machine, as device-check: the learning check at GPU size from nothing (cohort, cache and runs
+# under LC_WORK, off $(OUT); the result files and the log copied to OUT)
+LC_WORK ?= /tmp/octfm-learning-check
+learning-check-device:
+	@test -n "$(OUT)" || { echo "make learning-check-device: set OUT=<folder for the result files>" >&2; exit 2; }
+	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
+	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
+	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m evals.learning_check --size gpu \
+	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) --finetune --finetune-fraction 0.1 \
+	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
+	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result.* $(OUT)/ 2>/dev/null; exit $$rc
+
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m evals.learning_check --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
+	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
 		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)

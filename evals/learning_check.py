@@ -63,6 +63,8 @@ CUES = {
                     "the lesions cohort, probes trained on three scanners and tested on the fourth"),
 }
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
+# the check's sizes (make learning-check SIZE=...): the production recipe at each size, one cohort and cache
+SIZES = {"cpu": "configs/pretrain_check.yaml", "gpu": "configs/pretrain_check_gpu.yaml"}
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
@@ -103,6 +105,14 @@ PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain`
 # evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
 # elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
 SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
+
+
+def eval_device(train_device: str) -> str:
+    """Where the check's features and fine-tuning run: cuda when the pretraining does (or may,
+    `auto`) and one is here; else the cpu."""
+    import torch
+
+    return "cuda" if train_device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
 
 
 def cohort(root: Path, cfg: synth.SynthConfig) -> str:
@@ -162,8 +172,8 @@ def supervised_name(config_path: str, cache: str, overrides: Sequence[str], part
 
 
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
-              n_boot: int, args: Sequence[str]) -> np.ndarray:
-    """`make finetune` (configs/finetune.yaml as users run it, on the cpu in fp32) of the check's
+              n_boot: int, args: Sequence[str], device: str = "cpu") -> np.ndarray:
+    """`make finetune` (configs/finetune.yaml as users run it; on the cpu in fp32, on cuda in bf16) of the check's
     checkpoint or, with init=random, of the same architecture from scratch, on the label
     fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
     FULL_LABEL_BUDGET, which `args` can override); resumable. Returns its best
@@ -171,8 +181,8 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     tag = f"{init}_{round(fraction * 100)}pct"
     cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out / tag}", f"init={init}",
-                       f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", "device=cpu",
-                       "precision=fp32", "task=" + BINARY, *(FULL_LABEL_BUDGET if fraction == 1.0 else ()), *args])
+                       f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", f"device={device}",
+                       f"precision={'bf16' if device == 'cuda' else 'fp32'}", "task=" + BINARY, *(FULL_LABEL_BUDGET if fraction == 1.0 else ()), *args])
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
@@ -496,7 +506,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     """The whole check for one cue; every stage reuses what an earlier run finished."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
-    config.load(TrainConfig, config_path, overrides)  # refuse bad ARGS before any work
+    device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
     if source is None:
         home = work / f"{spec.cohort_name}_seed{seed}"
         cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
@@ -506,7 +516,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
-                        "baselines=true", *probe_args])
+                        "baselines=true", f"device={device}", *probe_args])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -525,11 +535,11 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         for frac in sorted(finetune_fractions):
             tuned[frac] = {init: stages.run(f"fine-tuning ({init} init), {pct(frac)} of labels", lambda init=init, frac=frac: (
                 finetuned(ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
-                          finetune_args))) for init in ("pretrained", "random")}
+                          finetune_args, device))) for init in ("pretrained", "random")}
     tokens = None
     if spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists():  # a generated cohort's answer key
         tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
-                                                                   cache, pcfg.seed))
+                                                                   cache, pcfg.seed, device=device))
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned))
     result = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
@@ -582,7 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--source", default=None, help="AI-READI-shaped dataset root with labels (default: the cohort)")
     ap.add_argument("--work", default="data/learning_check", help="where the cohort and its cache go")
     ap.add_argument("--out", default="runs/learning_check")
-    ap.add_argument("--config", default="configs/pretrain_check.yaml")
+    ap.add_argument("--size", choices=list(SIZES), default="cpu",
+                    help="the check's size (make SIZE=...): cpu, or gpu for one H100/H200 (configs/pretrain_check_gpu.yaml)")
+    ap.add_argument("--config", default=None, help="the pretraining config (default: the size's)")
     ap.add_argument("--cue", choices=list(CUES), default="lesions", help="the kind of class cue (make CUE=...)")
     ap.add_argument("--seed", type=int, default=DEV_SEED,
                     help=f"the generated cohort's seed (default {DEV_SEED}, the development cohorts')")
@@ -606,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(probe_line(RunFolder(a.line).probe))
         return 0
     t0 = time.perf_counter()
-    r = check(a.source, Path(a.work), Path(a.out), a.config, a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
+    r = check(a.source, Path(a.work), Path(a.out), a.config or SIZES[a.size], a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
               a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
               finetune_args=a.finetune_arg)

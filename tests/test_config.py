@@ -52,19 +52,21 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def test_check_recipe_is_the_production_recipe_at_check_size():
-    """configs/pretrain_check.yaml differs from configs/pretrain_multi_domain.yaml only in the keys
-    its header lists (size and run settings): what the learning check proves is what users run."""
+@pytest.mark.parametrize("check_name", ["pretrain_check", "pretrain_check_gpu"])
+def test_check_recipe_is_the_production_recipe_at_check_size(check_name):
+    """configs/pretrain_check.yaml (and its GPU size, pretrain_check_gpu.yaml) differs from
+    configs/pretrain_multi_domain.yaml only in the keys its header lists (size and run settings):
+    what the learning check proves is what users run."""
     from octfm import config
     from train.config import TrainConfig
 
     def load(name):
         return _flat(config.to_dict(config.load(TrainConfig, f"configs/{name}.yaml", [])))
 
-    prod, check = load("pretrain_multi_domain"), load("pretrain_check")
+    prod, check = load("pretrain_multi_domain"), load(check_name)
     differ = {k for k in prod.keys() | check.keys() if prod.get(k) != check.get(k)}
     listed, in_list = set(), False
-    for ln in open("configs/pretrain_check.yaml"):            # the header's "size:" and "run:" lists
+    for ln in open(f"configs/{check_name}.yaml"):             # the header's "size:" and "run:" lists
         if not ln.startswith("#"):
             break
         body = ln[1:].strip()

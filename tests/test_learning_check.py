@@ -190,3 +190,35 @@ def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose(
         "frozen": {"balanced_accuracy": 0.65}, "pretrained_minus_random_init": {"difference": 0.1,
                                                                               "difference_ci95": [0.02, 0.18]}}])
     assert "PASS" in verdict and "frozen probe (head chosen on val) 0.650" in verdict
+
+
+def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
+    """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
+    shrunk and the device set to the CPU, the volumes resident as on the GPU
+    (data.resident=always), the token probe stage, the result files. The GPU run itself is
+    `make learning-check-device` on a lent machine."""
+    from train import pretrain
+
+    loaded = []
+    real = pretrain.Trainer.load_resident
+
+    def spy(self, progress):
+        real(self, progress)
+        loaded.append(self.resident is not None and tuple(self.resident.volumes.shape))
+
+    tiny = ["device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
+            "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
+            "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
+    pretrain.Trainer.load_resident = spy
+    try:
+        assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                                    "--participants", "12", "--bootstrap", "20", "--no-supervised", *PROBE, *tiny]) == 0
+    finally:
+        pretrain.Trainer.load_resident = real
+    res = json.loads((tmp_path / "out" / "lesions" / "result.json").read_text())
+    saved = (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
+    assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
+    assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "token probe", "probes"}
+    assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
+    assert res["verdict"] in capsys.readouterr().out

@@ -26,6 +26,9 @@ class DataConfig:
     workers: int | None = None                     # loader processes; None: from this host's cores (data.loader_workers)
     start_method: Literal["spawn", "forkserver"] = "forkserver"
     prefetch_factor: int = 2
+    # The training volumes in accelerator memory, cropped there (train/resident.py): "auto" on CUDA
+    # when they take at most a fifth of the free memory, "always" on any device (the CPU dry run), "never"
+    resident: Literal["auto", "always", "never"] = "auto"
 
     def __post_init__(self):
         lo, hi = self.scale

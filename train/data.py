@@ -17,6 +17,7 @@ from cache import store
 from manifests import layout
 from octfm.errors import DataError
 from train import masks as M
+from train import resident
 from train.config import DataConfig, MaskConfig
 
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
@@ -70,10 +71,12 @@ class CacheDataset(Dataset):
     """Items are addressed by (epoch, index) so the epoch reaches persistent workers."""
 
     def __init__(self, rows: list[dict], cfg: DataConfig, mask_cfg: MaskConfig | None, grid: M.Grid | None,
-                 sizes: list[M.SetSize] | None, seed: int, augment: bool = True):
-        """`mask_cfg` None: items carry no mask sets (fine-tuning reads only the crops)."""
+                 sizes: list[M.SetSize] | None, seed: int, augment: bool = True, volumes: bool = True):
+        """`mask_cfg` None: items carry no mask sets (fine-tuning reads only the crops).
+        `volumes` False: items carry the row index, the crop box and the flip instead of the crop
+        (the volumes are resident on the device: train/resident.py)."""
         self.rows, self.cfg, self.mask_cfg, self.grid, self.sizes = rows, cfg, mask_cfg, grid, sizes
-        self.seed, self.augment = seed, augment
+        self.seed, self.augment, self.volumes = seed, augment, volumes
         self._transforms = None
         for r in rows[:1]:
             strided = [-(-int(n) // int(s)) for n, s in zip(r["shape"], cfg.stride)]
@@ -116,23 +119,36 @@ class CacheDataset(Dataset):
             ])
         return self._transforms
 
-    def __getitem__(self, key) -> dict:
-        epoch, index = key
-        row = self.rows[index]
-        rng = sample_rng(self.seed, epoch, index)
+    def crop(self, row: dict, seed: int) -> torch.Tensor:
+        """The row's volume, strided, through the transforms seeded with `seed`: uint8 [1, D, H, W]."""
         vol = store.read_volume(self.cfg.cache, row["volume"])
         s = self.cfg.stride
         vol = np.ascontiguousarray(vol[::s[0], ::s[1], ::s[2]])[None]
         t = self.transforms()
-        t.set_random_state(seed=int(rng.integers(2 ** 31)))
+        t.set_random_state(seed=seed)
         x = torch.as_tensor(t(vol))
         if x.is_floating_point():  # resized: round back to the cache's grey levels
             x = x.round_().clamp_(0, 255)
-        x = x.to(torch.uint8).contiguous()
+        return x.to(torch.uint8).contiguous()
+
+    def __getitem__(self, key) -> dict:
+        epoch, index = key
+        row = self.rows[index]
+        rng = sample_rng(self.seed, epoch, index)
+        crop_seed = int(rng.integers(2 ** 31))  # drawn in both modes: the masks and jitter below stay the same
+        if self.volumes:
+            item = {"x": self.crop(row, crop_seed)}
+        else:
+            crop_rng = sample_rng(self.seed, epoch, index, stream=1)
+            full = [-(-int(n) // int(s)) for n, s in zip(row["shape"], self.cfg.stride)]
+            box = resident.draw_box(crop_rng, full, self.cfg.input_shape, self.cfg.scale, self.zooms)
+            flip = self.augment and crop_rng.random() < self.cfg.flip_prob
+            item = {"index": torch.tensor(index, dtype=torch.int64), "box": torch.from_numpy(box),
+                    "flip": torch.tensor(bool(flip))}
         sets = [] if self.mask_cfg is None else M.sample_masks(self.grid, self.mask_cfg, self.sizes, rng)
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
-        item = {"x": x, "aug": aug}
+        item["aug"] = aug
         for i, (c, g, _, valid) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
             item[f"ctx_{i}"] = torch.from_numpy(c.astype(np.int32))  # int32: int64 is emulated on TPU
             item[f"tgt_{i}"] = torch.from_numpy(g.astype(np.int32))

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from octfm import cli, config, fsio
-from train import checkpoint, data, masks, metrics, online_probe, run_folder, runtime, schedule
+from train import checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule
 from train.run_folder import RunFolder
 from train.config import TrainConfig
 from train.model import JEPA, Encoder, objective, target_features
@@ -216,6 +216,7 @@ class Trainer:
         if not self.rows:
             raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
                                  f"and devices {cfg.data.devices}")
+        self.resident = None  # the training volumes on the device (data.resident), loaded when the loop starts
         self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
         self.sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
         self.model = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
@@ -341,9 +342,11 @@ class Trainer:
         return net
 
     # ------------------------------------------------------------ data
-    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None):
+    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None,
+               volumes: bool = True):
+        """`volumes` False: batches carry crop boxes for the resident volumes (materialize)."""
         cfg = self.cfg
-        ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment)
+        ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment, volumes)
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
                                     stop_batch)
         kw = {}
@@ -354,6 +357,18 @@ class Trainer:
         dl = DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
         return sampler, dl
+
+    def materialize(self, batch: dict) -> dict:
+        """A batch of crop boxes becomes a batch of crops of the resident volumes."""
+        if "box" not in batch:
+            return batch
+        x = self.resident.crops(batch.pop("index"), batch.pop("box"), batch.pop("flip"), self.cfg.data.input_shape)
+        return {"x": x, **batch}
+
+    def load_resident(self, progress: bool) -> None:
+        d = self.cfg.data
+        if self.rt.kind != "xla" and resident.wanted(d.resident, self.rt.device, self.rows, d.stride):
+            self.resident = resident.ResidentVolumes(d.cache, self.rows, d.stride, self.rt.device, progress)
 
     # ------------------------------------------------------------ one update
     def update(self, batches, net) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -474,8 +489,11 @@ class Trainer:
     def _loop(self, log: metrics.MetricsLog, bar) -> dict:
         cfg, rt = self.cfg, self.rt
         net = self.network()
+        if self.step < cfg.max_steps:
+            self.load_resident(progress=not bar.disable)
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
-                                  stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps)
+                                  stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps,
+                                  volumes=self.resident is None)
         it = iter(rt.loader(dl))
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
@@ -489,7 +507,7 @@ class Trainer:
             batches = []
             for _ in range(accum):
                 tw = time.perf_counter()
-                batches.append(rt.to_device(next(it)))
+                batches.append(self.materialize(rt.to_device(next(it))))
                 wait += time.perf_counter() - tw
             self.advance_schedules()  # after the fetch (XLA's loader ends a graph there): in the step's graph
             loss, gnorm, targets = self.update(batches, net)

@@ -1,0 +1,85 @@
+"""Volumes resident on the device (train/resident.py, `data.resident`): the device-side crop is the
+production transform's crop for the same box, the loader's other draws are unchanged, and a
+training runs through it (on the CPU here: the GPU-size learning check's dry run takes this path)."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_train_args, train_here
+from train import data, masks, resident
+from octfm import config
+from train.config import DataConfig, MaskConfig, TrainConfig
+
+
+def test_a_resident_crop_is_the_box_resized_as_monai_resizes_it():
+    from monai.transforms import Resize
+
+    vols = torch.randint(0, 256, (3, 16, 40, 40), dtype=torch.uint8)
+    res = resident.ResidentVolumes.__new__(resident.ResidentVolumes)
+    res.volumes = vols
+    shape = (12, 32, 32)
+    boxes = torch.tensor([[2, 3, 5, 12, 32, 32], [0, 1, 0, 10, 27, 30], [4, 0, 8, 12, 29, 26]], dtype=torch.int32)
+    out = res.crops(torch.tensor([2, 0, 1]), boxes, torch.tensor([False, True, False]), shape)
+    assert out.dtype == torch.uint8 and out.shape == (3, 1, *shape)
+    assert torch.equal(out[0, 0], vols[2, 2:14, 3:35, 5:37])                     # a box of the shape: copied
+    for j, (i, b, flip) in enumerate(((0, boxes[1], True), (1, boxes[2], False))):
+        box = vols[i, b[0]:b[0] + b[3], b[1]:b[1] + b[4], b[2]:b[2] + b[5]][None].float()
+        want = torch.as_tensor(Resize(shape, mode="trilinear")(box)).round().clamp(0, 255).to(torch.uint8)[0]
+        want = want.flip(-1) if flip else want
+        assert (out[j + 1, 0].int() - want.int()).abs().max() <= 1  # float rounding at .5 only
+
+
+def test_boxes_stay_inside_and_follow_the_scale():
+    rng = np.random.default_rng(0)
+    boxes = np.stack([resident.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), True) for _ in range(300)])
+    start, size = boxes[:, :3], boxes[:, 3:]
+    assert (start >= 0).all() and (start + size <= [20, 64, 64]).all()
+    assert size.min(0).tolist() == [13, 38, 38] and size.max(0).tolist() == [16, 48, 48]
+    fixed = resident.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), False)
+    assert fixed[3:].tolist() == [16, 48, 48]
+
+
+def test_without_volumes_the_items_keep_their_masks_and_jitter(tiny_cache):
+    rows = data.select_rows(str(tiny_cache), ["train"], None)
+    cfg = DataConfig(cache=str(tiny_cache), input_shape=(16, 48, 48), scale=(0.8, 1.0))
+    mcfg = MaskConfig()
+    grid = masks.grid_for(cfg.input_shape, (4, 16, 16))
+    sizes = masks.calibrate(grid, mcfg, seed=0)
+    with_x = data.CacheDataset(rows, cfg, mcfg, grid, sizes, seed=3)[(1, 2)]
+    boxed = data.CacheDataset(rows, cfg, mcfg, grid, sizes, seed=3, volumes=False)[(1, 2)]
+    assert set(with_x) - set(boxed) == {"x"} and set(boxed) - set(with_x) == {"index", "box", "flip"}
+    for k in with_x:
+        if k != "x":
+            assert torch.equal(with_x[k], boxed[k]), k
+    assert int(boxed["index"]) == 2 and boxed["box"][3:].ge(torch.tensor([12, 38, 38])).all()
+
+
+def test_a_training_runs_on_resident_volumes(tiny_cache, tmp_path, capsys):
+    from train import pretrain
+
+    seen = []
+    real = pretrain.Trainer.materialize
+
+    def spy(self, batch):
+        out = real(self, batch)
+        seen.append((self.resident is not None, tuple(out["x"].shape), out["x"].dtype))
+        return out
+
+    pretrain.Trainer.materialize = spy
+    try:
+        train_here(*tiny_train_args(tiny_cache, tmp_path, name="r", max_steps=3, ckpt_every=3,
+                                    **{"data.resident": "always", "data.workers": 1, "data.scale": "[0.8,1.0]"}))
+    finally:
+        pretrain.Trainer.materialize = real
+    assert seen == [(True, (4, 1, 16, 48, 48), torch.uint8)] * 3
+    assert (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_auto_keeps_the_loader_off_cuda():
+    rows = [{"shape": [32, 128, 128]}] * 10
+    assert not resident.wanted("auto", torch.device("cpu"), rows, (1, 1, 1))
+    assert resident.wanted("always", torch.device("cpu"), rows, (1, 1, 1))
+    assert not resident.wanted("never", torch.device("cpu"), rows, (1, 1, 1))
+    assert resident.strided_bytes(rows, (2, 2, 2)) == 10 * 16 * 64 * 64
+    with pytest.raises(Exception, match="resident"):
+        config.from_dict(TrainConfig, {"data": {"resident": "maybe"}})
