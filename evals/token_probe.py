@@ -166,7 +166,7 @@ def bootstrap_weights(participants: np.ndarray, n_boot: int, seed: int) -> np.nd
     return counts[:, idx].astype(np.float32)
 
 
-def compare(scores: dict, labels: np.ndarray, split: np.ndarray, participants: np.ndarray, n_boot: int,
+def compare_scorers(scores: dict, labels: np.ndarray, split: np.ndarray, participants: np.ndarray, n_boot: int,
             seed: int) -> dict:
     """Test within-position AUROC of each scorer with its interval, and pretrained minus each other
     scorer, paired over the same resamples."""
@@ -218,7 +218,7 @@ def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int =
     scores["voxels"] = score_encoder(raw, labels, split)
     result = {"ckpt": ckpt, "source": source, "cache": cache, "step": ident["step"], "tokens_per_volume": labels.shape[1],
               "lesion_tokens_per_volume": float((labels == LESION).sum(1).mean()),
-              **compare(scores, labels, split, participants, n_boot, seed), "bootstrap": n_boot}
+              **compare_scorers(scores, labels, split, participants, n_boot, seed), "bootstrap": n_boot}
     out.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(out / "token_probe.json"), json.dumps(result, indent=2).encode())
     fsio.atomic_write_bytes(str(out / "token_probe.md"), markdown(result).encode())

@@ -35,7 +35,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "supervised reference, 100% of labels",
-                                  "supervised reference, 25% of labels", "supervised reference, 10% of labels", "probes"}
+                                  "supervised reference, 25% of labels", "supervised reference, 10% of labels",
+                                  "token probe", "probes"}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
         assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9

@@ -65,7 +65,7 @@ def test_the_probe_finds_a_feature_that_carries_the_lesion_and_not_one_that_does
     carries[..., 0] += 2.0 * (labels == tp.LESION)
     blind = rng.normal(size=(n, tokens, 4)).astype(np.float32)
     scores = {"pretrained": tp.score_encoder(carries, labels, split), "random_init": tp.score_encoder(blind, labels, split)}
-    res = tp.compare(scores, labels, split, people, 100, 0)
+    res = tp.compare_scorers(scores, labels, split, people, 100, 0)
     assert res["scorers"]["pretrained"]["test_auroc"] > 0.85
     assert 0.35 < res["scorers"]["random_init"]["test_auroc"] < 0.65
     assert res["pretrained_minus_random_init"]["difference_ci95"][0] > 0.2
