@@ -182,7 +182,8 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out / tag}", f"init={init}",
                        f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", f"device={device}",
-                       f"precision={'bf16' if device == 'cuda' else 'fp32'}", "task=" + BINARY, *(FULL_LABEL_BUDGET if fraction == 1.0 else ()), *args])
+                       f"precision={'bf16' if device == 'cuda' else 'fp32'}", "task=" + BINARY,
+                       *(FULL_LABEL_BUDGET if fraction == 1.0 else ()), *args])
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them

@@ -27,7 +27,7 @@ def participant_resamples(groups, n_boot: int, seed: int):
         yield np.concatenate([rows_of[g] for g in pick])
 
 
-def _ci95(v) -> list:
+def ci95(v) -> list:
     v = np.asarray(v, dtype=float)
     v = v[np.isfinite(v)]
     return [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else [None, None]
@@ -39,7 +39,7 @@ def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> 
     for idx in participant_resamples(groups, n_boot, seed):
         ba.append(balanced_accuracy(y[idx], prob[idx].argmax(1), k))
         au.append(macro_auroc(y[idx], prob[idx]))
-    return {"balanced_accuracy_ci95": _ci95(ba), "auroc_macro_ovr_ci95": _ci95(au), "bootstrap_resamples": n_boot}
+    return {"balanced_accuracy_ci95": ci95(ba), "auroc_macro_ovr_ci95": ci95(au), "bootstrap_resamples": n_boot}
 
 
 def paired_difference_ci(y, prob_a, prob_b, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
@@ -51,6 +51,6 @@ def paired_difference_ci(y, prob_a, prob_b, groups, k: int, n_boot: int = 1000, 
     diffs = np.array([diff(idx) for idx in participant_resamples(groups, n_boot, seed)], dtype=float)
     diffs = diffs[np.isfinite(diffs)]
     point = diff(np.arange(len(y)))
-    return {"difference": float(point), "difference_ci95": _ci95(diffs),
+    return {"difference": float(point), "difference_ci95": ci95(diffs),
             "difference_se": float(np.std(diffs)) if len(diffs) > 1 else None, "bootstrap_resamples": n_boot,
             "participants": int(len(np.unique(groups)))}

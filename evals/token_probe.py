@@ -25,10 +25,10 @@ import pandas as pd
 import torch
 
 from evals import features, probe
+from evals import probe_metrics as pm
 from ingest import synth
 from octfm import cli, fsio
-from cache import store
-from train import checkpoint, encoder
+from train import checkpoint, data, encoder
 from train.run_folder import RunFolder
 
 L2_GRID = (1e-4, 1e-3, 1e-2)
@@ -158,12 +158,10 @@ def score_encoder(feats: np.ndarray, labels: np.ndarray, split: np.ndarray) -> d
 
 
 def bootstrap_weights(participants: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """[n_boot, n] per-row weights: how often each row's participant is drawn in a resample."""
-    people, idx = np.unique(participants, return_inverse=True)
-    rng = np.random.default_rng(seed)
-    counts = np.stack([np.bincount(rng.integers(0, len(people), len(people)), minlength=len(people))
-                       for _ in range(n_boot)])
-    return counts[:, idx].astype(np.float32)
+    """[n_boot, n] per-row weights: how often each row is drawn in the check's participant
+    resamples (probe_metrics.participant_resamples), so a weighted score is the resample's score."""
+    return np.stack([np.bincount(idx, minlength=len(participants))
+                     for idx in pm.participant_resamples(participants, n_boot, seed)]).astype(np.float32)
 
 
 def compare_scorers(scores: dict, labels: np.ndarray, split: np.ndarray, participants: np.ndarray, n_boot: int,
@@ -181,16 +179,12 @@ def compare_scorers(scores: dict, labels: np.ndarray, split: np.ndarray, partici
         point[name] = float(within_position_auroc(st, y, pos)[0])
         boots[name] = np.concatenate([within_position_auroc(st, y, pos, w[i:i + 25]) for i in range(0, n_boot, 25)])
     out = {"test_lesion_tokens": int((y == LESION).sum()), "test_background_tokens": int((y == BACKGROUND).sum()),
-           "scorers": {n: {"test_auroc": point[n], "ci95": _ci(boots[n]), "val_auroc": scores[n]["val_auroc"],
+           "scorers": {n: {"test_auroc": point[n], "ci95": pm.ci95(boots[n]), "val_auroc": scores[n]["val_auroc"],
                            "l2": scores[n]["l2"]} for n in scores}}
     for other in (n for n in scores if n != "pretrained"):
         out[f"pretrained_minus_{other}"] = {"difference": point["pretrained"] - point[other],
-                                            "difference_ci95": _ci(boots["pretrained"] - boots[other])}
+                                            "difference_ci95": pm.ci95(boots["pretrained"] - boots[other])}
     return out
-
-
-def _ci(a: np.ndarray) -> list[float]:
-    return [float(np.percentile(a, 2.5)), float(np.percentile(a, 97.5))]
 
 
 def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int = 0, n_boot: int = 200,
@@ -202,8 +196,7 @@ def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int =
     rows = probe.labelled_rows(cache, seed, False)
     key = read_lesions(source)
     crop, tubelet = tcfg.data.input_shape, tcfg.model.tubelet
-    st = tcfg.data.stride
-    full = store.read_volume(cache, rows[0]["volume"])[::st[0], ::st[1], ::st[2]].shape  # the cache's (strided) shape
+    full = data.strided_shape(rows[0]["shape"], tcfg.data.stride)
     labels = np.stack([token_labels(key.get(r["relpath"]), full, crop, tubelet) for r in rows])
     split = np.array([r["split"] for r in rows])
     participants = np.array([r["participant_id"] for r in rows])

@@ -62,6 +62,7 @@ def test_planted_cue_marks_positive_crops_only():
     assert pos["y"] == 1 and torch.equal(ds[(0, 1)]["x"], pos["x"])      # the same place for the same key
 
 
+@pytest.mark.slow  # 15 s with its cohort: the heavy lane
 def test_cohort_screen_end_to_end(small_cohort, tmp_path):
     """`python -m evals.cohort_screen` on the test cohort (its statistics are the test above):
     a short supervised reference (with a planted cue, which its scoring plants too) and its

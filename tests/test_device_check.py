@@ -5,9 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow  # 35 s on 2 cores: the heavy lane (CI runs it), so make test stays inside its budget
 def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.device_check", "--dry-run", "--budget-s", "0", "--out", str(out),

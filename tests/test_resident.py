@@ -31,11 +31,11 @@ def test_a_resident_crop_is_the_box_resized_as_monai_resizes_it():
 
 def test_boxes_stay_inside_and_follow_the_scale():
     rng = np.random.default_rng(0)
-    boxes = np.stack([resident.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), True) for _ in range(300)])
+    boxes = np.stack([data.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), True) for _ in range(300)])
     start, size = boxes[:, :3], boxes[:, 3:]
     assert (start >= 0).all() and (start + size <= [20, 64, 64]).all()
     assert size.min(0).tolist() == [13, 38, 38] and size.max(0).tolist() == [16, 48, 48]
-    fixed = resident.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), False)
+    fixed = data.draw_box(rng, (20, 64, 64), (16, 48, 48), (0.8, 1.0), False)
     assert fixed[3:].tolist() == [16, 48, 48]
 
 

@@ -17,7 +17,6 @@ from cache import store
 from manifests import layout
 from octfm.errors import DataError
 from train import masks as M
-from train import resident
 from train.config import DataConfig, MaskConfig
 
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.25  # of uint8/255 intensities after the cache's window
@@ -63,6 +62,28 @@ def loader_workers(workers: int | None) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // per_host - 1))
 
 
+def strided_shape(shape, stride) -> list[int]:
+    """A cached volume's shape after `data.stride` (every stride-th voxel from the first)."""
+    return [-(-int(n) // int(s)) for n, s in zip(shape, stride)]
+
+
+def read_strided(cache: str, row: dict, stride) -> np.ndarray:
+    """A row's cached volume with `data.stride` applied, contiguous: uint8 [D, H, W]."""
+    return np.ascontiguousarray(store.read_volume(cache, row["volume"])[::stride[0], ::stride[1], ::stride[2]])
+
+
+def draw_box(rng: np.random.Generator, full, shape, scale, zoom: bool) -> np.ndarray:
+    """(start d, h, w, size d, h, w): a box of `shape` (or, with `zoom`, of a size drawn per axis
+    between scale[0] and scale[1] of it, as MONAI's RandSpatialCrop with random_size) at a
+    uniformly random place inside `full`: the crop the resident volumes cut (train/resident.py)."""
+    if zoom:
+        size = [int(rng.integers(max(1, round(scale[0] * n)), max(1, round(scale[1] * n)) + 1)) for n in shape]
+    else:
+        size = [int(n) for n in shape]
+    start = [int(rng.integers(0, f - s + 1)) for f, s in zip(full, size)]
+    return np.array(start + size, dtype=np.int32)
+
+
 def sample_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, epoch, index, stream]))
 
@@ -79,7 +100,7 @@ class CacheDataset(Dataset):
         self.seed, self.augment, self.volumes = seed, augment, volumes
         self._transforms = None
         for r in rows[:1]:
-            strided = [-(-int(n) // int(s)) for n, s in zip(r["shape"], cfg.stride)]
+            strided = strided_shape(r["shape"], cfg.stride)
             if any(s < i for s, i in zip(strided, cfg.input_shape)):
                 raise DataError(f"data.input_shape {list(cfg.input_shape)} is larger than the cached volumes "
                                  f"{r['shape']} after data.stride {list(cfg.stride)}")
@@ -121,9 +142,7 @@ class CacheDataset(Dataset):
 
     def crop(self, row: dict, seed: int) -> torch.Tensor:
         """The row's volume, strided, through the transforms seeded with `seed`: uint8 [1, D, H, W]."""
-        vol = store.read_volume(self.cfg.cache, row["volume"])
-        s = self.cfg.stride
-        vol = np.ascontiguousarray(vol[::s[0], ::s[1], ::s[2]])[None]
+        vol = read_strided(self.cfg.cache, row, self.cfg.stride)[None]
         t = self.transforms()
         t.set_random_state(seed=seed)
         x = torch.as_tensor(t(vol))
@@ -140,8 +159,8 @@ class CacheDataset(Dataset):
             item = {"x": self.crop(row, crop_seed)}
         else:
             crop_rng = sample_rng(self.seed, epoch, index, stream=1)
-            full = [-(-int(n) // int(s)) for n, s in zip(row["shape"], self.cfg.stride)]
-            box = resident.draw_box(crop_rng, full, self.cfg.input_shape, self.cfg.scale, self.zooms)
+            full = strided_shape(row["shape"], self.cfg.stride)
+            box = draw_box(crop_rng, full, self.cfg.input_shape, self.cfg.scale, self.zooms)
             flip = self.augment and crop_rng.random() < self.cfg.flip_prob
             item = {"index": torch.tensor(index, dtype=torch.int64), "box": torch.from_numpy(box),
                     "flip": torch.tensor(bool(flip))}

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from cache import store
 from octfm import config as typed
 from train import data
 from train.config import ModelConfig
@@ -52,9 +51,8 @@ def volume_batches(cache: str, rows: list[dict], stride, shape, batch: int, pad:
     count of real rows in each; `pad` fills the last batch with zeros to `batch` rows, so a
     compiled graph sees one shape."""
     for i in range(0, len(rows), batch):
-        vols = [torch.from_numpy(np.ascontiguousarray(
-            center_crop(store.read_volume(cache, r["volume"])[::stride[0], ::stride[1], ::stride[2]], shape)))[None]
-            for r in rows[i:i + batch]]
+        vols = [torch.from_numpy(np.ascontiguousarray(center_crop(data.read_strided(cache, r, stride), shape)))[None]
+                for r in rows[i:i + batch]]
         n = len(vols)
         if pad and n < batch:
             vols += [torch.zeros_like(vols[0])] * (batch - n)
