@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import verdict
 from ingest import preprocess as prep
 from ingest import synth
 
@@ -352,10 +353,6 @@ def scaling(workdir: Path, quick: bool, target) -> dict:
 def target_parts(d: dict) -> float:
     """The parts the build-cost target counts: decode, window, resample, write."""
     return sum(d["parts"][k] for k in ("decode", "window", "resample", "write"))
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
 
 
 def run(workdir: Path, quick: bool = False):

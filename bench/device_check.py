@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
+from bench import verdict
 from octfm import cli
 
 PRODUCTION = "configs/pretrain_multi_domain.yaml"
@@ -342,21 +343,21 @@ def verdicts(res: dict) -> list[str]:
     if best:
         lines.append(f"MFU of the production (ViT-B) step in bf16 at batch {best['batch']}"
                      f"{' compiled' if best.get('compile') else ''}: {100 * best['mfu']:.1f}% of the {card}'s bf16 "
-                     f"peak (target >= {100 * MFU_TARGET:.0f}%): {'met' if best['mfu'] >= MFU_TARGET else 'NOT met'}")
+                     f"peak (target >= {100 * MFU_TARGET:.0f}%): {verdict(best['mfu'] >= MFU_TARGET)}")
     else:
         lines.append("MFU: not measured")
     ref = res.get("reference") or {}
     if ref.get("ratio"):
         name, ratio = max(ref["ratio"].items(), key=lambda kv: kv[1])
         lines.append(f"octfm / vjepa2 at equal work ({name}): {ratio:.2f}x (target >= {REFERENCE_TARGET}x): "
-                     f"{'met' if ratio >= REFERENCE_TARGET else 'NOT met'}")
+                     f"{verdict(ratio >= REFERENCE_TARGET)}")
     else:
         lines.append(f"octfm / vjepa2: not measured ({ref.get('skipped') or ref.get('error') or 'no result'})")
     ld = res.get("loader") or {}
     if "data_wait_frac" in ld:
         w = ld["data_wait_frac"]
         lines.append(f"data wait with the default loader ({ld['workers']} workers): {100 * w:.1f}% of the step "
-                     f"(target < {100 * WAIT_TARGET:.0f}%): {'met' if w < WAIT_TARGET else 'NOT met'}")
+                     f"(target < {100 * WAIT_TARGET:.0f}%): {verdict(w < WAIT_TARGET)}")
     else:
         lines.append(f"data wait: not measured ({ld.get('error', 'no result')})")
     ct = res.get("cuda_tests") or {}

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import verdict
 from bench.train_bench import CPU, SMOKE, VITS, _make_cache
 
 TARGET = 1.5  # issue 27: octfm's step at least 1.5x the reference's at equal work
@@ -239,6 +240,6 @@ def summarise(res: dict, src: str, shim: str, size: str, precision: str = "fp32"
           f"{res['warmup_s'][k]:.1f} | {_ratio(res, k)} |" for k in med),
         "",
         f"Verdict: at equal work in {precision}, {best} is {same[best]:.2f}x the reference's step (target >= {TARGET}x): "
-        f"{'met' if ok else 'NOT met'}.",
+        f"{verdict(ok)}.",
     ]
     return res, lines

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import verdict
+
 SMOKE = "configs/pretrain_smoke.yaml"
 VITS = ["model.dim=384", "model.depth=6", "model.heads=6", "model.pred_dim=192", "model.pred_depth=4",
         "model.pred_heads=6", "data.input_shape=[32,96,96]", "batch_size=2", "precision=fp32"]
@@ -153,6 +155,6 @@ def run(workdir: Path, quick: bool = False):
         f"loss {res['smoke_loss_first_last'][0]} -> {res['smoke_loss_first_last'][1]}.",
         "",
         f"Verdict: the smoke run waits {res['smoke_data_wait_frac'] * 100:.1f}% of its step time for data "
-        f"(target < 5%): {'met' if ok else 'NOT met'}.",
+        f"(target < 5%): {verdict(ok)}.",
     ]
     return res, lines

@@ -45,12 +45,19 @@ def bootstrap_ci(y, prob, groups, k: int, n_boot: int = 1000, seed: int = 0) -> 
 def paired_difference_ci(y, prob_a, prob_b, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
     """Balanced accuracy of a minus b with a paired 95% interval and standard error: each
     resample of participants scores both predictors on the same rows, so what they share cancels out."""
-    def diff(idx):
-        return balanced_accuracy(y[idx], prob_a[idx].argmax(1), k) - balanced_accuracy(y[idx], prob_b[idx].argmax(1), k)
+    return contrast_ci(y, [(1.0, prob_a), (-1.0, prob_b)], groups, k, n_boot, seed)
 
-    diffs = np.array([diff(idx) for idx in participant_resamples(groups, n_boot, seed)], dtype=float)
-    diffs = diffs[np.isfinite(diffs)]
-    point = diff(np.arange(len(y)))
-    return {"difference": float(point), "difference_ci95": ci95(diffs),
-            "difference_se": float(np.std(diffs)) if len(diffs) > 1 else None, "bootstrap_resamples": n_boot,
+
+def contrast_ci(y, terms, groups, k: int, n_boot: int = 1000, seed: int = 0) -> dict:
+    """sum(weight x balanced accuracy of prob) over `terms` [(weight, prob)], all scored on each
+    participant resample: a paired difference (1, -1), a mean over seeds of differences (1/n, -1/n
+    each) or a difference of differences, with its 95% interval and standard error."""
+    def value(idx):
+        return sum(w * balanced_accuracy(y[idx], p[idx].argmax(1), k) for w, p in terms)
+
+    vals = np.array([value(idx) for idx in participant_resamples(groups, n_boot, seed)], dtype=float)
+    vals = vals[np.isfinite(vals)]
+    point = value(np.arange(len(y)))
+    return {"difference": float(point), "difference_ci95": ci95(vals),
+            "difference_se": float(np.std(vals)) if len(vals) > 1 else None, "bootstrap_resamples": n_boot,
             "participants": int(len(np.unique(groups)))}

@@ -302,3 +302,24 @@ def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cac
     ranks = runtime.batch_ranks(ds[(0, 0)])
     n = len(cfg.mask.sets)
     assert ranks == {"x": 5, "aug": 2, **{f"{k}_{i}": 2 for i in range(n) for k in ("ctx", "tgt", "ctxvalid")}}
+
+
+def test_repeats_draw_every_set_again_with_its_own_blocks():
+    """mask.repeats: each set drawn `repeats` times per sample (data2vec 2.0's several masks per
+    target pass), with the set's calibrated sizes, each draw its own blocks."""
+    grid = M.grid_for((32, 96, 96), (4, 16, 16))
+    cfg = MaskConfig(repeats=3)
+    sizes = M.calibrate(grid, cfg, seed=0)
+    assert sizes == M.calibrate(grid, MaskConfig(), seed=0) * 3
+    sets = M.sample_masks(grid, cfg, sizes, np.random.default_rng(0))
+    assert len(sets) == 6
+    for i, (ctx, tgt, _, _) in enumerate(sets):
+        base = cfg.sets[i % 2]
+        assert len(tgt) == sizes[i % 2].target_cells * grid.depth and len(ctx) == sizes[i % 2].context_cells * grid.depth
+        assert len(np.intersect1d(ctx, tgt)) == 0, base
+    assert not np.array_equal(sets[0][1], sets[2][1]) and not np.array_equal(sets[1][1], sets[3][1])
+
+
+def test_repeats_below_one_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="repeats"):
+        MaskConfig(repeats=0)

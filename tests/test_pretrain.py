@@ -354,3 +354,18 @@ def test_prefetcher_hands_out_every_batch_in_order_one_copy_ahead():
         assert drawn[-1] == min(k + 1, 4), (k, drawn)
     assert seen == [0, 1, 2, 3, 4]
     assert list(runtime.Prefetcher([], "cpu")) == []
+
+
+def test_several_masks_share_one_target_pass(tiny_cache, tmp_path):
+    """With mask.repeats 2 a step scores twice the mask sets against one target-encoder pass."""
+    from train import data
+
+    tr = tiny_trainer(tiny_cache, tmp_path, **{"mask.repeats": 2})
+    batch = first_batch(tr)
+    assert len(data.mask_pairs(batch)) == 2 * len(tr.cfg.mask.sets)
+    calls = {"target": 0, "predictor": 0}
+    tr.target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
+    tr.model.predictor.register_forward_hook(lambda *a: calls.__setitem__("predictor", calls["predictor"] + 1))
+    loss, _, _ = tr.update([batch], tr.model)
+    assert torch.isfinite(loss)
+    assert calls == {"target": 1, "predictor": 2 * len(tr.cfg.mask.sets)}

@@ -77,6 +77,14 @@ class MaskConfig:
     # of the masked area (the rest of the visible cells is dropped); padded: every visible cell
     # is context, padded to the largest possible count and masked out of attention
     context: Literal["trimmed", "padded"] = "trimmed"
+    # each set drawn this many times per sample, every draw scored against the one target-encoder
+    # pass of the step (data2vec 2.0's several masks per teacher pass): more context and predictor
+    # work per volume read and per target pass
+    repeats: int = 1
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise FieldError("repeats", f"{self.repeats}: needs at least 1 (each mask set drawn once)")
 
 
 @dataclasses.dataclass
