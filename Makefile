@@ -52,8 +52,8 @@ help:
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
-	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [ARGS='max_steps=3000']: pretrained vs random-init"
-	@echo "make learning-check-device OUT=<folder>   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size"
+	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000']: pretrained vs random-init"
+	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3]   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -152,7 +152,7 @@ learning-check-device:
 	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
 	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
 	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m evals.learning_check --size gpu \
-	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) --finetune --finetune-fraction 0.1 \
+	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) --finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),3) \
 	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
 	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result.* $(OUT)/ 2>/dev/null; exit $$rc
 
@@ -162,7 +162,7 @@ bench: $(STAMP)
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
 	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
-		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+		$(if $(FT_SEEDS),--finetune-seeds $(FT_SEEDS)) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)

@@ -100,15 +100,27 @@ def tested_rows(fs: list) -> np.ndarray:
 
 def score(task: str, rows: list[dict], prob: np.ndarray, mask: np.ndarray, n_boot: int, seed: int) -> dict:
     """Test balanced accuracy with its participant-bootstrap interval."""
-    y, _, groups, k = task_arrays(task, rows)
-    ci = pm.bootstrap_ci(y[mask], prob[mask], groups[mask], k, n_boot, seed)["balanced_accuracy_ci95"]
-    return {"balanced_accuracy": pm.balanced_accuracy(y[mask], prob[mask].argmax(1), k), "ci95": ci}
+    return mean_score(task, rows, [prob], mask, n_boot, seed)
 
 
 def paired(task: str, rows: list[dict], a: np.ndarray, b: np.ndarray, mask: np.ndarray, n_boot: int, seed: int) -> dict:
     """a minus b in test balanced accuracy, with the paired interval over participants."""
+    return mean_paired(task, rows, [a], [b], mask, n_boot, seed)
+
+
+def mean_score(task: str, rows: list[dict], probs: list, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """Test balanced accuracy averaged over runs (training seeds), its interval from participant
+    resamples on which every run is scored."""
     y, _, groups, k = task_arrays(task, rows)
-    return pm.paired_difference_ci(y[mask], a[mask], b[mask], groups[mask], k, n_boot, seed)
+    c = pm.contrast_ci(y[mask], [(1 / len(probs), p[mask]) for p in probs], groups[mask], k, n_boot, seed)
+    return {"balanced_accuracy": c["difference"], "ci95": c["difference_ci95"]}
+
+
+def mean_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """The mean over a's runs minus the mean over b's in test balanced accuracy, paired over participants."""
+    y, _, groups, k = task_arrays(task, rows)
+    terms = [(1 / len(a), p[mask]) for p in a] + [(-1 / len(b), q[mask]) for q in b]
+    return pm.contrast_ci(y[mask], terms, groups[mask], k, n_boot, seed)
 
 
 def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:

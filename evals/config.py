@@ -67,7 +67,9 @@ class FinetuneConfig:
     precision: Literal["fp32", "bf16"] = "bf16"
     bootstrap: int = 1000
     log_every: int = 10
-    seed: int = 0
+    seed: int = 0                      # the labelled participants (label_fraction) and, unless train_seed, the training
+    train_seed: int | None = None      # the training's randomness alone (random init, head, order, augmentation,
+                                       # stochastic depth): several per init on one subset; None: seed
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
     def __post_init__(self):

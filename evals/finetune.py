@@ -56,9 +56,14 @@ def is_model_folder(path: str) -> bool:
     return (Path(path) / encoder.CONFIG_FILE).is_file()
 
 
+def training_seed(cfg: FinetuneConfig) -> int:
+    """The seed of everything random in training; `seed` alone picks the labelled participants."""
+    return cfg.seed if cfg.train_seed is None else cfg.train_seed
+
+
 def load_backbone(cfg: FinetuneConfig) -> Backbone:
     """The encoder to fine-tune: a checkpoint's EMA target, or a model folder's weights; with
-    `init: random` the same architecture freshly initialised from `seed`."""
+    `init: random` the same architecture freshly initialised from the training seed."""
     if not cfg.ckpt:
         raise cli.UsageError("ckpt: set CKPT=<checkpoint or model folder> (or ckpt: in the config)")
     if is_model_folder(cfg.ckpt):
@@ -66,9 +71,9 @@ def load_backbone(cfg: FinetuneConfig) -> Backbone:
     else:
         enc, tcfg, ident = features.checkpoint_encoder(cfg.ckpt)
     if cfg.init == "random":
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(training_seed(cfg))
         enc = Encoder(tcfg.model, tcfg.data.input_shape)
-        ident = {**ident, "init": "random", "seed": cfg.seed}
+        ident = {**ident, "init": "random", "seed": training_seed(cfg)}
     if cfg.cache:
         tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(tcfg.data, cache=cfg.cache))
     return Backbone(enc, tcfg, ident)
@@ -187,7 +192,7 @@ class Finetuner:
         self.rows, self.train = training_rows(cfg, self.tcfg.data.cache)
         self.y = np.array([self.spec["map"](r["label"]) for r in self.rows])
         self.split = np.array([r["split"] for r in self.rows])
-        torch.manual_seed(cfg.seed + 1)  # the attentive head's queries: the same for every init and every run
+        torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
         self.model = Classifier(bb.encoder, cfg.head, self.spec["classes"], cfg.token_pool).to(rt.device)
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
@@ -254,9 +259,9 @@ class Finetuner:
     def loader(self, start_epoch: int):
         cfg, rows = self.cfg, [r for r, t in zip(self.rows, self.train) if t]
         y = [int(v) for v in self.y[self.train]]
-        ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, cfg.seed, augment=cfg.augment)
+        ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, training_seed(cfg), augment=cfg.augment)
         per_epoch = data.EpochSampler(len(rows), cfg.batch_size, world=self.rt.world).batches_per_epoch
-        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, cfg.seed, True,
+        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, training_seed(cfg), True,
                                     start_epoch * per_epoch, self.epochs * per_epoch)
         kw = {"num_workers": cfg.workers, "persistent_workers": True} if cfg.workers > 0 else {}
         dl = DataLoader(supervised.Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
@@ -353,7 +358,7 @@ class Finetuner:
                 if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
                     net = None
                     net, phase = self.rt.wrap(self.model), self.frozen(self.epoch)
-                torch.manual_seed(cfg.seed * 1000003 + self.epoch)  # stochastic depth: the same on a resume
+                torch.manual_seed(training_seed(cfg) * 1000003 + self.epoch)  # stochastic depth: the same on a resume
                 losses = []
                 for _ in range(per_epoch):
                     f = lr_factor(clock, total, warmup)  # on the device: no host copy per step

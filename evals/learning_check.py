@@ -172,18 +172,19 @@ def supervised_name(config_path: str, cache: str, overrides: Sequence[str], part
 
 
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
-              n_boot: int, args: Sequence[str], device: str = "cpu") -> np.ndarray:
+              n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None) -> np.ndarray:
     """`make finetune` (configs/finetune.yaml as users run it; on the cpu in fp32, on cuda in bf16) of the check's
     checkpoint or, with init=random, of the same architecture from scratch, on the label
     fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
-    FULL_LABEL_BUDGET, which `args` can override); resumable. Returns its best
-    epoch's class probabilities for `rows`."""
-    tag = f"{init}_{round(fraction * 100)}pct"
+    FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
+    training alone on the same participants. Returns its best epoch's class probabilities for `rows`."""
+    tag = f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}")
     cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out / tag}", f"init={init}",
                        f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", f"device={device}",
                        f"precision={'bf16' if device == 'cuda' else 'fp32'}", "task=" + BINARY,
-                       *(FULL_LABEL_BUDGET if fraction == 1.0 else ()), *args])
+                       *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
+                       *(() if train_seed is None else (f"train_seed={train_seed}",)), *args])
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
@@ -195,18 +196,22 @@ def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot:
     """Per fraction: fine-tuned from the checkpoint and from random init (test balanced accuracy,
     the paired difference), fine-tuned against the frozen probe (the head val chose) of the same encoder on
     the same participants and, where a supervised reference was trained on them (`supervised`:
-    {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning."""
+    {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning.
+    `tuned`: {fraction: {init: [probabilities per training seed]}}; a fine-tuned row is the mean
+    over its seeds, every seed scored on each participant resample (decision 13)."""
     out, te, supervised = [], check_probes.tested_rows(fs), supervised or {}
     for f in sorted(tuned):
         p = tuned[f]["pretrained"]
-        against = {"random_init": ("pretrained_minus_random_init", tuned[f]["random"]),   # name: (difference key, probs)
-                   "frozen": ("finetuned_minus_frozen", frozen[f])}
+        against = {"random_init": ("pretrained_minus_random_init", tuned[f]["random"]),   # name: (difference key, runs)
+                   "frozen": ("finetuned_minus_frozen", [frozen[f]])}
         if f in supervised:
-            against["supervised"] = ("finetuned_minus_supervised", supervised[f])
-        row = {"fraction": f, "pretrained": check_probes.score(BINARY, rows, p, te, n_boot, seed)}
+            against["supervised"] = ("finetuned_minus_supervised", [supervised[f]])
+        row = {"fraction": f, "train_seeds": len(p), "pretrained": check_probes.mean_score(BINARY, rows, p, te, n_boot, seed),
+               "per_seed": {init: [check_probes.score(BINARY, rows, q, te, 0, seed)["balanced_accuracy"] for q in runs]
+                            for init, runs in (("pretrained", p), ("random_init", tuned[f]["random"]))}}
         for name, (key, q) in against.items():
-            row[name] = check_probes.score(BINARY, rows, q, te, n_boot, seed)
-            row[key] = check_probes.paired(BINARY, rows, p, q, te, n_boot, seed)
+            row[name] = check_probes.mean_score(BINARY, rows, q, te, n_boot, seed)
+            row[key] = check_probes.mean_paired(BINARY, rows, p, q, te, n_boot, seed)
         out.append(row)
     return out
 
@@ -230,7 +235,8 @@ def finetune_verdict(points: list[dict]) -> str:
     d, lo = first["pretrained_minus_random_init"]["difference"], first["pretrained_minus_random_init"]["difference_ci95"][0]
     ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen"]["balanced_accuracy"]
     ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and ft >= fr
-    return (f"fine-tuning at {pct(first['fraction'])} of labels: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
+    seeds = f", mean of {first['train_seeds']} training seeds" if first.get("train_seeds", 1) > 1 else ""
+    return (f"fine-tuning at {pct(first['fraction'])} of labels{seeds}: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
             f"{d:+.3f} [{_f(lo)}, {_f(first['pretrained_minus_random_init']['difference_ci95'][1])}] "
             f"({ft:.3f} vs {first['random_init']['balanced_accuracy']:.3f}); fine-tuned {ft:.3f} vs frozen "
             f"probe (head chosen on val) {fr:.3f}; target >= +{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned "
@@ -357,9 +363,11 @@ def markdown(result: dict) -> str:
                      (f" {_diff(p['pretrained_minus_supervised'])} |" if with_sup else ""))
     lines.append("")
     if result.get("finetune"):
+        n_seeds = result["finetune"]["points"][0].get("train_seeds", 1)
         lines += [f"Fine-tuning ({BINARY}, `make finetune` with configs/finetune.yaml on the same participants; the "
                   "best val epoch scored on test): from the checkpoint and from random init, against the frozen "
-                  "attentive probe of the checkpoint and the supervised reference trained on the same labels.", "",
+                  "probe of the checkpoint (head chosen on val) and the supervised reference trained on the same labels"
+                  + (f"; fine-tuned rows are means over {n_seeds} training seeds" if n_seeds > 1 else "") + ".", "",
                   result["finetune"]["verdict"], "", *([result["finetune"]["against_supervised"], ""]
                                                        if result["finetune"].get("against_supervised") else []),
                   "| labels | fine-tuned | fine-tuned random-init | frozen (head chosen on val) | supervised reference | "
@@ -371,6 +379,11 @@ def markdown(result: dict) -> str:
                   f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
                   f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
                   for p in result["finetune"]["points"]]
+        if n_seeds > 1:
+            lines += ["", *(f"Per training seed at {pct(p['fraction'])}: fine-tuned "
+                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
+                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}."
+                            for p in result["finetune"]["points"])]
         lines.append("")
     if result.get("token_probe"):
         lines += [f"Is the lesion in the tokens? {result['token_probe']['line']} (evals/token_probe.py).", ""]
@@ -503,7 +516,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
-          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = ()) -> dict:
+          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
@@ -534,9 +547,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     tuned = {}
     if spec.protocol == "splits":  # held-out scanners: no fine-tuning per fold
         for frac in sorted(finetune_fractions):
-            tuned[frac] = {init: stages.run(f"fine-tuning ({init} init), {pct(frac)} of labels", lambda init=init, frac=frac: (
-                finetuned(ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
-                          finetune_args, device))) for init in ("pretrained", "random")}
+            tuned[frac] = {init: [stages.run(
+                f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), {pct(frac)} of labels",
+                lambda init=init, frac=frac, k=k: finetuned(
+                    ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
+                    finetune_args, device, None if k == 0 else pcfg.seed + k)) for k in range(finetune_seeds)]
+                for init in ("pretrained", "random")}
     tokens = None
     if spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists():  # a generated cohort's answer key
         tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
@@ -611,6 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"with --finetune, fine-tune on this label fraction only (repeatable; default "
                          f"{' and '.join(str(f) for f in FINETUNE_FRACTIONS)})")
     ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
+    ap.add_argument("--finetune-seeds", type=int, default=1,
+                    help="with --finetune, training seeds per init on the same participants; rows are their mean "
+                         "(make FT_SEEDS=...)")
     ap.add_argument("--line", metavar="RUN", default=None,
                     help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
@@ -622,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = check(a.source, Path(a.work), Path(a.out), a.config or SIZES[a.size], a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
               a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
-              finetune_args=a.finetune_arg)
+              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -255,3 +255,15 @@ def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch
     ft.run(progress=False)
     n_val = int((ft.split == "val").sum())
     assert reads.count(n_val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)
+
+
+def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
+    """train_seed varies the training (random init, head, order) on the participants `seed` picked:
+    several training seeds per init read on one subset; unset, it is `seed`."""
+    runs = {ts: _finetuner(_cfg(pretrained, tmp_path / f"t{ts}", init="random", label_fraction=0.5, seed=3,
+                                **({} if ts is None else {"train_seed": ts}))) for ts in (None, 3, 4)}
+    other = _finetuner(_cfg(pretrained, tmp_path / "s4", init="random", label_fraction=0.5, seed=4))
+    assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
+    assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
+    assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
+    assert same_state(runs[4].model.state_dict(), other.model.state_dict())  # the same training seed, the same weights

@@ -62,7 +62,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
-            *(x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv))]
+            *(x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv)),
+            "--finetune-seeds", "2"]                                  # two training seeds per init (decision 13)
     again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
@@ -89,7 +90,10 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / "random_50pct" / "diabetic" / "metrics.json").exists()
+    for tag in ("random_50pct", "random_50pct_t1"):                      # the probes' seed, then training seed 1
+        assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
+    assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
+    assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
@@ -191,6 +195,39 @@ def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose(
         "frozen": {"balanced_accuracy": 0.65}, "pretrained_minus_random_init": {"difference": 0.1,
                                                                               "difference_ci95": [0.02, 0.18]}}])
     assert "PASS" in verdict and "frozen probe (head chosen on val) 0.650" in verdict
+
+
+def test_fine_tuned_rows_are_means_over_training_seeds():
+    """Decision 13: with several training seeds per init a fine-tuned row is their mean, and its
+    differences are means of paired differences (every seed scored on each resample); one seed
+    gives the single run's numbers."""
+    import numpy as np
+
+    from evals import check_probes
+
+    rng = np.random.default_rng(0)
+    rows = [{"label": 3 * ((i // 6) % 2), "split": ["train", "val", "test"][(i // 2) % 3],
+             "participant_id": f"p{i // 2}"} for i in range(240)]   # two rows (eyes) per participant
+    y = check_probes.task_arrays("diabetic", rows)[0]
+    right = lambda q: np.eye(2)[np.where(rng.random(len(y)) < q, y, 1 - y)]  # noqa: E731
+    tuned = {0.1: {"pretrained": [right(0.8), right(0.7)], "random": [right(0.6), right(0.5)]}}
+    frozen = {0.1: right(0.65)}
+    fs = check_probes.folds(rows, "splits")
+    te = fs[0][3]
+    ba = lambda p: check_probes.score("diabetic", rows, p, te, 0, 0)["balanced_accuracy"]  # noqa: E731
+    [row] = learning_check.finetune_rows(rows, tuned, frozen, fs, 100, 0)
+    assert row["train_seeds"] == 2
+    assert row["per_seed"]["pretrained"] == [ba(p) for p in tuned[0.1]["pretrained"]]
+    assert row["pretrained"]["balanced_accuracy"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]))
+    assert row["pretrained_minus_random_init"]["difference"] == pytest.approx(
+        np.mean(row["per_seed"]["pretrained"]) - np.mean(row["per_seed"]["random_init"]))
+    assert row["finetuned_minus_frozen"]["difference"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]) - ba(frozen[0.1]))
+    lo, hi = row["pretrained_minus_random_init"]["difference_ci95"]
+    assert lo < row["pretrained_minus_random_init"]["difference"] < hi
+    [one] = learning_check.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
+    assert one["pretrained_minus_random_init"] == check_probes.paired(
+        "diabetic", rows, tuned[0.1]["pretrained"][0], tuned[0.1]["random"][0], te, 100, 0)
+    assert "mean of 2 training seeds" in learning_check.finetune_verdict([row])
 
 
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
