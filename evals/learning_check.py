@@ -235,7 +235,11 @@ def finetune_verdict(points: list[dict]) -> str:
     d, lo = first["pretrained_minus_random_init"]["difference"], first["pretrained_minus_random_init"]["difference_ci95"][0]
     ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen"]["balanced_accuracy"]
     ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and ft >= fr
-    seeds = f", mean of {first['train_seeds']} training seeds" if first.get("train_seeds", 1) > 1 else ""
+    seeds = ""
+    if first.get("train_seeds", 1) > 1:  # the interval resamples participants for these seeds: say how the seeds spread
+        per = np.subtract(first["per_seed"]["pretrained"], first["per_seed"]["random_init"])
+        seeds = (f", mean of {first['train_seeds']} training seeds (per seed {', '.join(f'{d:+.3f}' for d in per)}; "
+                 f"{int((per > 0).sum())} of {len(per)} above 0)")
     return (f"fine-tuning at {pct(first['fraction'])} of labels{seeds}: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
             f"{d:+.3f} [{_f(lo)}, {_f(first['pretrained_minus_random_init']['difference_ci95'][1])}] "
             f"({ft:.3f} vs {first['random_init']['balanced_accuracy']:.3f}); fine-tuned {ft:.3f} vs frozen "

@@ -227,7 +227,9 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     [one] = learning_check.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
     assert one["pretrained_minus_random_init"] == check_probes.paired(
         "diabetic", rows, tuned[0.1]["pretrained"][0], tuned[0.1]["random"][0], te, 100, 0)
-    assert "mean of 2 training seeds" in learning_check.finetune_verdict([row])
+    per = np.subtract(row["per_seed"]["pretrained"], row["per_seed"]["random_init"])
+    assert f"mean of 2 training seeds (per seed {per[0]:+.3f}, {per[1]:+.3f}; 2 of 2 above 0)" \
+        in learning_check.finetune_verdict([row])
 
 
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
