@@ -641,6 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.line:
         print(probe_line(RunFolder(a.line).probe))
         return 0
+    if a.finetune_seeds < 1:
+        raise cli.UsageError(f"--finetune-seeds (FT_SEEDS): {a.finetune_seeds}; needs at least 1")
     t0 = time.perf_counter()
     r = check(a.source, Path(a.work), Path(a.out), a.config or SIZES[a.size], a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
               a.probe, with_supervised=not a.no_supervised,

@@ -232,6 +232,13 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
         in learning_check.finetune_verdict([row])
 
 
+def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
+    from octfm import cli
+
+    with pytest.raises(cli.UsageError, match="FT_SEEDS"):
+        learning_check.main(["--finetune", "--finetune-seeds", "0"])
+
+
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
     shrunk and the device set to the CPU, the volumes resident as on the GPU
