@@ -162,7 +162,7 @@ bench: $(STAMP)
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
 	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
-		$(if $(FT_SEEDS),--finetune-seeds $(FT_SEEDS)) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+		$(if $(FT_SEEDS),$(if $(FINETUNE),--finetune-seeds $(FT_SEEDS),$(error FT_SEEDS needs FINETUNE=1))) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)

@@ -6,7 +6,8 @@ a difference read from one run per init is mostly noise (issue 41, item 4).
 - `run`: `make finetune` (configs/finetune.yaml as users run it) from a checkpoint and from random
   init at one label fraction, once per seed. Each run's class probabilities for every row are kept
   (`<init>_s<seed>.npz`). A killed batch resumes run by run, and each run from its last epoch.
-  A seed sets the labelled subset and the training's randomness alike (FinetuneConfig.seed).
+  A seed sets the labelled subset and the training's randomness alike (FinetuneConfig.seed), unless
+  a `train_seed=` override fixes the training's.
 - `score`: folders of such runs (two code versions, or two recipes, on the same cache) read back
   and paired on the same test participants: per seed, the mean over seeds (each bootstrap resample
   averages the seeds' differences), and the second folder minus the first.
@@ -56,10 +57,12 @@ def run_seeds(ckpt: str, cache: str, out: Path, fraction: float, seeds: Sequence
                 res = ft.run(progress=True)
                 best = res["probes"][0]
                 out.mkdir(parents=True, exist_ok=True)
-                np.savez(path.with_suffix(".tmp.npz"), prob=res["prob"], relpath=np.array([r["relpath"] for r in ft.rows]),
-                         val=best["val_balanced_accuracy"], best_epoch=best["best_epoch"], epochs=res["epochs_run"],
-                         seconds=time.perf_counter() - t0)
-                path.with_suffix(".tmp.npz").replace(path)
+                tmp = path.with_name(path.name + ".tmp")  # not *.npz: a half-written file is never read as a run
+                with open(tmp, "wb") as fh:
+                    np.savez(fh, prob=res["prob"], relpath=np.array([r["relpath"] for r in ft.rows]),
+                             val=best["val_balanced_accuracy"], best_epoch=best["best_epoch"], epochs=res["epochs_run"],
+                             seconds=time.perf_counter() - t0)
+                tmp.replace(path)
                 print(f"finetune_seeds: {path} (val {best['val_balanced_accuracy']:.3f}, "
                       f"test {best['test']['balanced_accuracy']:.3f}, {time.perf_counter() - t0:.0f}s)", flush=True)
             done.append(path)
@@ -103,11 +106,13 @@ def score_folders(cache: str, folders: dict[str, Path], task: str = "diabetic", 
     out = {"task": task, "cache": cache, "test_participants": int(len(set(groups[te]))), "folders": {}}
     for name, runs in loaded.items():
         seeds = seeds_of(runs)
+        if not seeds:
+            raise cli.UsageError(f"{folders[name]}: no seed with a run from both inits ({', '.join(INITS)})")
         per_seed = []
         for s in seeds:
             p, r = runs[(INITS[0], s)], runs[(INITS[1], s)]
             per_seed.append({"seed": s, **{init: {"val": float(runs[(init, s)]["val"]),
-                                                  "test": contrast([(1.0, runs[(init, s)]["prob"])])["difference"],
+                                                  "test": pm.contrast_ci(y[te], [(1.0, runs[(init, s)]["prob"][te])], groups[te], k, 0)["difference"],
                                                   "best_epoch": int(runs[(init, s)]["best_epoch"]),
                                                   "epochs": int(runs[(init, s)]["epochs"]),
                                                   "seconds": float(runs[(init, s)]["seconds"])} for init in INITS},
@@ -120,6 +125,8 @@ def score_folders(cache: str, folders: dict[str, Path], task: str = "diabetic", 
     if len(loaded) == 2:
         (a, ra), (b, rb) = loaded.items()
         common = sorted(set(seeds_of(ra)) & set(seeds_of(rb)))
+        if not common:
+            raise cli.UsageError(f"{folders[a]} and {folders[b]}: no seed in common to pair")
         n = len(common)
         change = {init: contrast([(w / n, runs[(init, s)]["prob"]) for s in common for w, runs in ((1.0, rb), (-1.0, ra))])
                   for init in INITS}
