@@ -56,6 +56,16 @@ def is_model_folder(path: str) -> bool:
     return (Path(path) / encoder.CONFIG_FILE).is_file()
 
 
+def run_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, task: str, device: str,
+               *args: str) -> FinetuneConfig:
+    """configs/finetune.yaml as users run it, for one scripted run (the learning check's rows,
+    evals/finetune_seeds.py): bf16 on cuda, fp32 elsewhere; `args` override any key."""
+    return config.load(FinetuneConfig, "configs/finetune.yaml",
+                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
+                        f"seed={seed}", f"task={task}", f"device={device}",
+                        f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
+
+
 def training_seed(cfg: FinetuneConfig) -> int:
     """The seed of everything random in training; `seed` alone picks the labelled participants."""
     return cfg.seed if cfg.train_seed is None else cfg.train_seed

@@ -26,9 +26,8 @@ import numpy as np
 
 from evals import probe
 from evals import probe_metrics as pm
-from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
-from octfm import cli, config
+from octfm import cli
 
 INITS = ("pretrained", "random")
 
@@ -48,10 +47,7 @@ def run_seeds(ckpt: str, cache: str, out: Path, fraction: float, seeds: Sequence
         for init in INITS:
             path = out / f"{run_name(init, seed)}.npz"
             if not path.exists():
-                cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
-                                  [f"ckpt={ckpt}", f"cache={cache}", f"out={out / run_name(init, seed)}",
-                                   f"init={init}", f"label_fraction={fraction}", f"seed={seed}", f"task={task}",
-                                   f"device={device}", f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
+                cfg = finetune.run_config(ckpt, cache, out / run_name(init, seed), init, fraction, seed, task, device, *args)
                 t0 = time.perf_counter()
                 ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
                 res = ft.run(progress=True)
@@ -85,7 +81,7 @@ def load_runs(folder: Path, relpaths: list[str]) -> dict:
 
 def seeds_of(runs: dict) -> list[int]:
     """The seeds with a run from both inits."""
-    return sorted({s for _, s in runs} & {s for i, s in runs if i == INITS[1]} & {s for i, s in runs if i == INITS[0]})
+    return sorted({s for i, s in runs if i == INITS[0]} & {s for i, s in runs if i == INITS[1]})
 
 
 def score_folders(cache: str, folders: dict[str, Path], task: str = "diabetic", n_boot: int = 1000,
@@ -112,7 +108,7 @@ def score_folders(cache: str, folders: dict[str, Path], task: str = "diabetic", 
         for s in seeds:
             p, r = runs[(INITS[0], s)], runs[(INITS[1], s)]
             per_seed.append({"seed": s, **{init: {"val": float(runs[(init, s)]["val"]),
-                                                  "test": pm.contrast_ci(y[te], [(1.0, runs[(init, s)]["prob"][te])], groups[te], k, 0)["difference"],
+                                                  "test": pm.balanced_accuracy(y[te], runs[(init, s)]["prob"][te].argmax(1), k),
                                                   "best_epoch": int(runs[(init, s)]["best_epoch"]),
                                                   "epochs": int(runs[(init, s)]["epochs"]),
                                                   "seconds": float(runs[(init, s)]["seconds"])} for init in INITS},

@@ -31,7 +31,7 @@ import numpy as np
 from cache import build as cache_build
 from cache.config import CacheConfig
 from evals import check_probes, finetune, probe, subsets, supervised, token_probe
-from evals.config import FinetuneConfig, ProbeConfig
+from evals.config import ProbeConfig
 from ingest import synth
 from octfm import cli, config, fsio, plots
 from train import checkpoint, metrics, pretrain, runtime
@@ -179,12 +179,9 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
     training alone on the same participants. Returns its best epoch's class probabilities for `rows`."""
     tag = f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}")
-    cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
-                      [f"ckpt={ckpt}", f"cache={cache}", f"out={out / tag}", f"init={init}",
-                       f"label_fraction={fraction}", f"seed={seed}", f"bootstrap={n_boot}", f"device={device}",
-                       f"precision={'bf16' if device == 'cuda' else 'fp32'}", "task=" + BINARY,
-                       *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
-                       *(() if train_seed is None else (f"train_seed={train_seed}",)), *args])
+    cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
+                              *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
+                              *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them

@@ -12,6 +12,8 @@ production loader.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -22,7 +24,7 @@ FREE_SHARE = 0.2  # `auto`: the volumes may take this share of the device's free
 
 
 def strided_bytes(rows: list[dict], stride) -> int:
-    return sum(int(torch.tensor(data.strided_shape(r["shape"], stride)).prod()) for r in rows)
+    return sum(math.prod(data.strided_shape(r["shape"], stride)) for r in rows)
 
 
 def wanted(mode: str, device: torch.device, rows: list[dict], stride) -> bool:
