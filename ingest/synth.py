@@ -179,24 +179,25 @@ def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
 
 @dataclasses.dataclass
 class VolumeDraws:
-    """Every random number a volume needs, drawn in one fixed order, so that drawing (one
-    sequential stream per cohort) and rendering (parallel, `generate(workers=...)`) can part."""
+    """The random numbers a volume needs from the cohort's one sequential stream: a few scalars
+    and the seed of the volume's own noise stream. The speckle and noise floor (most of the
+    random numbers) are drawn from that seed where the volume is rendered, so a pool of
+    processes draws them in parallel and nothing large crosses a process boundary."""
     tilt: float
     lift: float
     gain: float
-    speckle: np.ndarray  # [F, R, C] float32, multiplicative
-    floor: np.ndarray    # [F, R, C] float32, the noise floor added after it
+    noise: int   # seeds the volume's speckle and noise floor (render_volume)
 
 
 def draw_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> VolumeDraws:
-    frames = shape[0]
     tilt, lift, gain = rng.uniform(-0.04, 0.04), rng.uniform(-0.03, 0.03), rng.uniform(0.85, 1.15)
-    speckle = np.empty(shape, dtype=np.float32)
-    floor = np.empty(shape, dtype=np.float32)
-    for f in range(frames):  # per frame, speckle then floor: the stream's order
-        speckle[f] = rng.gamma(2.0, 0.5, size=shape[1:])
-        floor[f] = np.abs(rng.normal(0.03, 0.02, size=shape[1:]))
-    return VolumeDraws(tilt, lift, gain, speckle, floor)
+    return VolumeDraws(tilt, lift, gain, int(rng.integers(2 ** 63)))
+
+
+def frame_noise(rng: np.random.Generator, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """One frame's multiplicative speckle and additive noise floor (speckle first: the stream's order)."""
+    speckle = rng.gamma(2.0, 0.5, size=size).astype(np.float32)
+    return speckle, np.abs(rng.normal(0.03, 0.02, size=size)).astype(np.float32)
 
 
 def make_volume(shape: tuple[int, int, int], rng: np.random.Generator, laterality: str = "R",
@@ -272,7 +273,9 @@ def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: s
     half_width = max(0.06, 1.0 / max(frames - 1, 1))                            # at least one frame per column
     vessel = (np.abs(y - arc) < half_width) & (np.abs(x - disc_x) < 1.7)       # [F, C]
     out = np.empty(shape, dtype=np.uint8)
+    noise = np.random.default_rng(draws.noise)
     for f in range(frames):
+        speckle, floor = frame_noise(noise, (rows, cols))
         idx = np.zeros((rows, cols), dtype=np.intp)                            # [R, C] layer index:
         for k in range(bounds.shape[-1]):                                      # boundaries above each voxel
             idx += z[:, None] > bounds[f, :, k][None]
@@ -281,7 +284,7 @@ def render_volume(shape: tuple[int, int, int], draws: VolumeDraws, laterality: s
         img = img * np.where(idx >= len(LAYERS), np.exp(-depth_below * 8), 1.0)
         img = img * np.where(vessel[f][None, :] & (idx > 1), 0.5, 1.0)          # shadow below the RNFL
         img = _paint_lesions(img, eye.lesions, float(y[f, 0]), x, z, bounds[f]) + eye.offset
-        img = draws.gain * img * draws.speckle[f] + draws.floor[f]             # speckle, noise floor
+        img = draws.gain * img * speckle + floor                               # speckle, noise floor
         img = np.log1p(40 * np.clip(img, 0, None)) / np.log1p(40 * 1.6)
         out[f] = np.clip(img * 255, 0, 255).astype(np.uint8)
     return out
@@ -421,7 +424,7 @@ def _write_job(job: VolumeJob, path: Path, compress: str | None) -> None:
 
 class _Writer:
     """Renders and writes volumes here (workers=0) or in a pool of processes, with at most two
-    per worker in flight (each holds its random arrays: tens of MB at scale 4)."""
+    per worker in flight (a job is small: its volume's noise is drawn where it is rendered)."""
 
     def __init__(self, workers: int):
         self.pending: collections.deque = collections.deque()
@@ -459,7 +462,7 @@ POOL_FROM = 64  # participants: below this a process pool's start-up costs more 
 def default_workers(cfg: SynthConfig) -> int:
     if cfg.placeholders or cfg.participants < POOL_FROM:
         return 0
-    return min(8, len(os.sched_getaffinity(0)))
+    return len(os.sched_getaffinity(0))
 
 
 def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | None = None,
