@@ -18,9 +18,10 @@ from tqdm import tqdm
 from evals import probe_heads
 from manifests.aireadi import TASKS
 from octfm import cli, config
-from train import checkpoint, data, masks
+from train import checkpoint, data, masks, runtime
 from train.config import TrainConfig
 from train.model import Encoder
+from train.pretrain import to_cpu
 
 
 def task_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:
@@ -47,7 +48,8 @@ class Labelled(Dataset):
 
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
           progress: bool = True, dataset=Labelled, participants: set[str] | None = None) -> str:
-    """Train encoder + linear head on `task` for `steps` steps on CPU; returns the checkpoint
+    """Train encoder + linear head on `task` for `steps` steps on the config's device and
+    precision (the GPU size: cuda in bf16); returns the checkpoint
     (its `target` holds the encoder, so `evals.features.checkpoint_encoder` reads it). A finished
     checkpoint is reused: the check is resumable at this granularity. `dataset(ds, y)` wraps
     the crops (evals/cohort_screen.py plants a cue with it); `participants` narrows the train
@@ -58,32 +60,39 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     spec = TASKS[task]
     rows = [r for r in task_rows(cfg) if participants is None or r["participant_id"] in participants]
     y = [spec["map"](r["label"]) for r in rows]
+    rt = runtime.setup(cfg.device, cfg.precision)
     torch.manual_seed(cfg.seed)
-    enc = Encoder(cfg.model, cfg.data.input_shape)
-    head = nn.Linear(cfg.model.dim, spec["classes"])
+    enc = Encoder(cfg.model, cfg.data.input_shape).to(rt.device)
+    head = nn.Linear(cfg.model.dim, spec["classes"]).to(rt.device)
     params = list(enc.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    weight = probe_heads.class_weights(y, spec["classes"])
+    weight = probe_heads.class_weights(y, spec["classes"]).to(rt.device)
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
     sampler = data.EpochSampler(len(rows), cfg.batch_size, seed=cfg.seed, stop_batch=steps)
-    kw = {"num_workers": cfg.data.workers, "persistent_workers": True} if cfg.data.workers > 0 else {}
+    workers = data.loader_workers(cfg.data.workers)
+    kw = {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": cfg.data.start_method} \
+        if workers > 0 else {}
     dl = DataLoader(dataset(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **kw)
     bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
     enc.train()
     for step, b in enumerate(dl, 1):
-        logits = head(enc.pool(enc(data.normalize(b["x"], b["aug"]))))
-        loss = F.cross_entropy(logits, b["y"], weight=weight)
+        b = rt.to_device(b)
+        with rt.autocast():
+            logits = head(enc.pool(enc(data.normalize(b["x"], b["aug"]))))
+        loss = F.cross_entropy(logits.float(), b["y"], weight=weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        rt.sync()  # XLA: the step's graph
         bar.update(1)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
-    state = {"config": config.to_dict(cfg), "target": enc.state_dict(), "head": head.state_dict(), "step": steps,
+    state = {"config": config.to_dict(cfg), "target": to_cpu(enc.state_dict()), "head": to_cpu(head.state_dict()),
+             "step": steps,
              "supervised": {"task": task, "lr": lr, "weight_decay": weight_decay}}
     return checkpoint.save(state, ckpt_dir, steps)

@@ -1,7 +1,7 @@
 """The CUDA path (marker `cuda`; skipped without a GPU; `make device-check` runs them on a lent
 H100/H200): a bf16 step through the fused attention kernels, the fused-AdamW skip deciding as
 the CPU does, the prefetcher's side-stream copies in order, compiled and eager steps agreeing,
-one fine-tuning epoch, and `make embed` in bf16."""
+one fine-tuning epoch, `make embed` in bf16, and the learning check's supervised reference on the GPU."""
 from __future__ import annotations
 
 import copy
@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from conftest import run_cli, same_optimizer, same_weights, tiny_train_args
+from test_supervised import supervised_cfg
+from evals import supervised
 from octfm import config
-from train import attention, pretrain, runtime
+from train import attention, checkpoint, pretrain, runtime
 from train.config import TrainConfig
 
 pytestmark = [pytest.mark.cuda,
@@ -128,3 +130,21 @@ def test_make_embed_in_bf16_on_cuda(tiny_run, tmp_path):
         outs[prec] = np.stack(pd.read_parquet(out).sort_values("relpath").embedding.to_numpy())
     rel = np.linalg.norm(outs["bf16"] - outs["fp32"], axis=1) / np.linalg.norm(outs["fp32"], axis=1)
     assert rel.max() < 0.05, rel.max()
+
+
+def test_the_reference_trains_on_the_gpu_in_bf16(tiny_cache, tmp_path, monkeypatch):
+    """On device=cuda the encoder runs there under bf16 autocast (it used to train on the CPU
+    whatever the config said: hours at the GPU size); the checkpoint is saved as CPU tensors."""
+    seen = []
+    real = torch.nn.Linear.forward
+
+    def spy(self, x):
+        out = real(self, x)
+        seen.append((out.device.type, out.dtype))  # under autocast a linear layer's output is bf16
+        return out
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", spy)
+    cfg = supervised_cfg(tiny_cache, tmp_path, "device=cuda", "precision=bf16")
+    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False)
+    assert seen and all(d == "cuda" for d, _ in seen) and ("cuda", torch.bfloat16) in seen
+    assert all(v.device.type == "cpu" for v in checkpoint.load(path)["target"].values())
