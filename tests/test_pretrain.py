@@ -369,3 +369,16 @@ def test_several_masks_share_one_target_pass(tiny_cache, tmp_path):
     loss, _, _ = tr.update([batch], tr.model)
     assert torch.isfinite(loss)
     assert calls == {"target": 1, "predictor": 2 * len(tr.cfg.mask.sets)}
+
+
+def test_a_run_records_where_its_startup_went(tiny_run):
+    """One `startup` record after the first step: the resident load, the loader, the step-0
+    online probe, the first batch and the first update, each timed, summing to the total
+    (docs/accelerators.md: the first H200 run spent 97 s before its first step, not known where)."""
+    recs = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in recs if r["split"] == "startup"]
+    assert len(starts) == 1 and starts[0]["step"] == 1
+    laps = {k: v for k, v in starts[0].items() if k.endswith("_s") and k != "total_s"}
+    assert list(laps) == ["resident_s", "loader_s", "online_probe_s", "first_batch_s", "first_update_s"]
+    assert all(v >= 0 for v in laps.values()) and laps["online_probe_s"] > 0  # eval_every: the step-0 probe ran
+    assert starts[0]["total_s"] == pytest.approx(sum(laps.values()), abs=0.01)

@@ -488,19 +488,23 @@ class Trainer:
 
     def _loop(self, log: metrics.MetricsLog, bar) -> dict:
         cfg, rt = self.cfg, self.rt
+        startup = Startup()
         net = self.network()
         if self.step < cfg.max_steps:
             self.load_resident(progress=not bar.disable)
+        startup.lap("resident")
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                   stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps,
                                   volumes=self.resident is None)
         it = iter(rt.loader(dl))
+        startup.lap("loader")
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
         postfix: dict = {}
         if cfg.eval_every and self.step == 0 and self.step < cfg.max_steps:
             self.online_probe(log, postfix)  # the random-init floor of every probe curve
             bar.set_postfix(postfix, refresh=False)
+        startup.lap("online_probe")
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         set_scalar(self.clock, self.step)  # once per loop (a resume starts mid-schedule); then on the device
         while self.step < cfg.max_steps:
@@ -509,12 +513,18 @@ class Trainer:
                 tw = time.perf_counter()
                 batches.append(self.materialize(rt.to_device(next(it))))
                 wait += time.perf_counter() - tw
+            if startup.pending:
+                startup.lap("first_batch")  # the loader's workers start and fill their first batches
             self.advance_schedules()  # after the fetch (XLA's loader ends a graph there): in the step's graph
             loss, gnorm, targets = self.update(batches, net)
             rt.sync()
             self.step += 1
             self.consumed += accum
             samples += cfg.batch_size * accum * rt.world
+            if startup.pending:
+                float(loss)  # once: waits for the first step, so its time is the step's and not the next one's
+                startup.lap("first_update")
+                startup.report(self.step, log, rt.is_master and not bar.disable)
             bar.update(1)
             self.writer.poll()  # a finished write: W&B hears of it, or its error stops the run
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
@@ -553,6 +563,30 @@ class Trainer:
         rt.barrier()        # and no process leaves before it is
         return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
                 "skipped_updates": int(self.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
+
+
+class Startup:
+    """Where a run's first seconds go before steady steps (the resident volumes, the loader, the
+    step-0 online probe, the first batch as the loader's workers start, the first update with its
+    kernel loading, selection or compilation): one `startup` record in metrics.jsonl and one
+    printed line. The first H200 run spent 97 s before its first step (docs/accelerators.md)."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.laps: dict[str, float] = {}
+        self.pending = True
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[f"{name}_s"] = round(now - self.t, 3)
+        self.t = now
+
+    def report(self, step: int, log: metrics.MetricsLog, show: bool) -> None:
+        self.pending = False
+        log.log({"step": step, **self.laps, "total_s": round(sum(self.laps.values()), 3)}, prefix="startup")
+        if show:
+            tqdm.write("pretrain: started in " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s"
+                                                           for k, v in self.laps.items()), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
