@@ -10,6 +10,8 @@ network). In a few minutes from a bare machine it writes `device_check.json` and
 - train: the smoke, ViT-S and ViT-B (production) steps in bf16: ms per step, tokens/s, model FLOPs
   per step (torch.utils.flop_counter), MFU against the card's bf16 peak, peak memory; ViT-B at the
   largest batch `make plan` says fits (halved on an out-of-memory);
+- check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at batch
+  128, eager and compiled) and what its 3,700 steps take;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
 - loader: the production loader with the default workers at the production crop, volumes per second
@@ -20,6 +22,7 @@ network). In a few minutes from a bare machine it writes `device_check.json` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -37,7 +40,9 @@ from octfm import cli
 
 PRODUCTION = "configs/pretrain_multi_domain.yaml"
 SMOKE = "configs/pretrain_smoke.yaml"
+CHECK = "configs/pretrain_check_gpu.yaml"  # the learning check at GPU size (make learning-check-device)
 MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET = 0.40, 1.5, 0.05
+CHECK_TARGET_S = 360  # issue 41: the GPU-size learning check from a bare machine
 DATASHEET_BF16_TFLOPS = {"h100": 989.0, "h200": 989.0}  # dense, SXM (train/plan.py ACCELERATORS)
 VIT_S = ["model.dim=384", "model.depth=12", "model.heads=6", "model.pred_dim=192", "model.pred_depth=6",
          "model.pred_heads=6"]
@@ -63,6 +68,9 @@ class Sizes:
         }
         if dry:  # one size: the three run the same code
             self.train = {"vit_b": (PRODUCTION, TINY, self.crop, None, 2)}
+        # the GPU-size learning check's step (configs/pretrain_check_gpu.yaml): config, overrides, crop, batch, steps
+        self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 128, 2 if dry else 10)
+        self.check_participants = 12 if dry else 64
         self.batch_cap = 2 if dry else 64
         self.loader_batches = 4 if dry else 30
         self.run_steps = 4 if dry else 40
@@ -204,10 +212,10 @@ def shape_arg(crop) -> str:
 
 
 def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop, batch: int, steps: int,
-              compile_: bool = False) -> dict:
+              compile_: bool = False, cache: Path | None = None) -> dict:
     """One config's step on the device; on an out-of-memory the batch is halved and tried again."""
     s = ctx["sizes"]
-    base = [f"data.cache={make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"name=bench_{name}",
+    base = [f"data.cache={cache or make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"name=bench_{name}",
             f"device={s.device}", "precision=bf16", "data.workers=0", "wandb.enabled=false", "data.stride=[1,1,1]",
             shape_arg(crop)]
     while True:
@@ -268,6 +276,39 @@ def reference(ctx: dict) -> dict:
     return res
 
 
+def check_cache(ctx: dict) -> Path:
+    """A cache at the GPU-size learning check's shape: a small cohort from its generator config
+    through its cache build (evals/learning_check.py)."""
+    if "check_cache" not in ctx:
+        from evals import learning_check as lc
+        from ingest import synth
+
+        src, cache = ctx["work"] / "check_dataset", ctx["work"] / "check_cache"
+        synth.generate(src, dataclasses.replace(lc.COHORT, participants=ctx["sizes"].check_participants, seed=0))
+        ctx["check_cache"] = Path(lc.build_cache(str(src), cache))
+    return ctx["check_cache"]
+
+
+def check_step(ctx: dict) -> dict:
+    """The GPU-size learning check's pretraining step at its batch, eager and (with time left)
+    compiled, and what its `max_steps` of them take: the check's largest stage (issue 41's
+    six minutes)."""
+    from octfm import config
+    from train.config import TrainConfig
+
+    s = ctx["sizes"]
+    path, over, crop, batch, steps = s.check
+    out = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        if compiled and ctx["left"]() < (30 if s.dry else 150):  # inductor on a ViT-S step takes a minute or so
+            break
+        out[name] = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=compiled,
+                              cache=check_cache(ctx))
+        out[name]["pretrain_s"] = out[name]["step_s"] * config.load(TrainConfig, path).max_steps
+        write_results(ctx, "check", out)
+    return out
+
+
 def loader(ctx: dict) -> dict:
     """The production loader (default workers, random-resized crop) alone, then a real run."""
     from octfm import config
@@ -315,7 +356,7 @@ def loader(ctx: dict) -> dict:
 
 
 SECTIONS: dict[str, Callable[[dict], dict]] = {"environment": environment, "cuda_tests": cuda_tests, "train": train_steps,
-                                               "reference": reference, "loader": loader}
+                                               "check": check_step, "reference": reference, "loader": loader}
 
 
 # ----------------------------------------------------------------------------- report
@@ -360,11 +401,34 @@ def verdicts(res: dict) -> list[str]:
                      f"(target < {100 * WAIT_TARGET:.0f}%): {verdict(w < WAIT_TARGET)}")
     else:
         lines.append(f"data wait: not measured ({ld.get('error', 'no result')})")
+    ck = {k: v for k, v in (res.get("check") or {}).items() if isinstance(v, dict) and "pretrain_s" in v}
+    if ck:
+        best = min(ck, key=lambda k: ck[k]["pretrain_s"])
+        lines.append(f"GPU-size learning check's pretraining at the measured step: "
+                     + ", ".join(f"{k} {v['pretrain_s']:.0f} s" for k, v in ck.items())
+                     + f"; the pretraining alone inside the whole check's {CHECK_TARGET_S} s from nothing: "
+                     + verdict(ck[best]["pretrain_s"] < CHECK_TARGET_S))
     ct = res.get("cuda_tests") or {}
     if "tests" in ct:
         lines.append(f"CUDA tests: {ct['passed']} passed, {len(ct['failed'])} failed {ct['failed'] or ''}, "
                      f"{ct['skipped']} skipped")
     return lines
+
+
+def step_table(steps: dict, title: str) -> list[str]:
+    """A section's measured steps (step_size's records) as a table."""
+    rows = {k: v for k, v in steps.items() if isinstance(v, dict) and "step_s" in v}
+    if not rows:
+        return []
+    md = [f"## {title}", "", "| config | params | batch | tokens/sample | step (ms) | tokens/s | GFLOP/step | "
+          "achieved TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB | first step (s) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, v in rows.items():
+        md.append(f"| {k} | {v['params_m']:.1f} M | {v['batch']} | {v['tokens']} | {1000 * v['step_s']:.1f} | "
+                  f"{v['tokens_per_s']:.0f} | {v['flops_per_step'] / 1e9:.0f} | {v['achieved_tflops']:.1f} | "
+                  f"{100 * v['mfu']:.1f}% | {100 * v['mfu_of_measured_matmul']:.1f}% | "
+                  f"{'-' if v['peak_gib'] is None else format(v['peak_gib'], '.1f')} | {v['first_step_s']:.1f} |")
+    return md + [""]
 
 
 def markdown(res: dict) -> list[str]:
@@ -373,18 +437,9 @@ def markdown(res: dict) -> list[str]:
           "", f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {env.get('cpus')} CPUs; bf16 matmul measured "
               f"{env.get('matmul_bf16_tflops', 0):.1f} TFLOP/s (datasheet {env.get('datasheet_bf16_tflops')}); "
               f"{res.get('when')}; total {res.get('total_s', 0):.0f} s", ""]
-    tr = res.get("train") or {}
-    if tr and not tr.get("error"):
-        md += ["## Training step (bf16)", "", "| config | params | batch | tokens/sample | step (ms) | tokens/s | "
-               "GFLOP/step | achieved TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB | first step (s) |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for k, v in tr.items():
-            if isinstance(v, dict) and "step_s" in v:
-                md.append(f"| {k} | {v['params_m']:.1f} M | {v['batch']} | {v['tokens']} | {1000 * v['step_s']:.1f} | "
-                          f"{v['tokens_per_s']:.0f} | {v['flops_per_step'] / 1e9:.0f} | {v['achieved_tflops']:.1f} | "
-                          f"{100 * v['mfu']:.1f}% | {100 * v['mfu_of_measured_matmul']:.1f}% | "
-                          f"{'-' if v['peak_gib'] is None else format(v['peak_gib'], '.1f')} | {v['first_step_s']:.1f} |")
-        md.append("")
+    for key, title in (("train", "Training step (bf16)"),
+                       ("check", f"The GPU-size learning check's pretraining step ({CHECK}, bf16)")):
+        md += step_table(res.get(key) or {}, title)
     ref = res.get("reference") or {}
     if ref.get("markdown"):
         md += ref["markdown"] + [""]

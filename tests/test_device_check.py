@@ -26,12 +26,15 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     assert t["step_s"] > 0 and t["flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_s"] > 0
     assert t["batch"] == 2  # the plan's largest batch, capped for the dry run
     assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
+    ck = res["check"]  # the GPU-size learning check's step, on a cache of its shape
+    assert "compiled" not in ck and ck["eager"]["tokens"] == 288  # its 8 x 6 x 6 grid; no budget for compiling
+    assert ck["eager"]["pretrain_s"] == pytest.approx(3700 * ck["eager"]["step_s"])  # its max_steps
     assert "no vjepa2 checkout" in res["reference"]["skipped"]
     ld = res["loader"]
     assert 0 <= ld["data_wait_frac"] <= 1 and ld["workers"] >= 1 and ld["run_samples_per_s"] > 0
     md = (out / "device_check.md").read_text()
     for line in ("MFU of the production (ViT-B) step", "octfm / vjepa2: not measured", "data wait with the default loader",
-                 "CUDA tests: 0 passed"):
+                 "CUDA tests: 0 passed", "GPU-size learning check's pretraining at the measured step: eager"):
         assert line in md, md
     assert not (out / "work").exists()
 
