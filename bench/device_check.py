@@ -90,8 +90,12 @@ def environment(ctx: dict) -> dict:
     dev = ctx["sizes"].device
     if dev == "cuda":
         p = torch.cuda.get_device_properties(0)
+        arch = torch.cuda.get_arch_list()
         out.update(device=p.name, memory_gib=round(p.total_memory / 2 ** 30, 1), capability=f"{p.major}.{p.minor}",
-                   cuda=torch.version.cuda, accel=accelerator(p.name))
+                   cuda=torch.version.cuda, accel=accelerator(p.name), arch_list=arch,
+                   # without machine code for this card every kernel is compiled from PTX at its first use
+                   # (a lead for the 97 s before the first H200 step, docs/accelerators.md)
+                   sass_for_device=f"sm_{p.major}{p.minor}" in arch)
     else:
         out.update(device="CPU (dry run)", accel=None)
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -436,6 +440,7 @@ def markdown(res: dict) -> list[str]:
     md = [f"# make device-check: {env.get('device', '?')}{' (DRY RUN: CPU, tiny sizes)' if res.get('dry_run') else ''}",
           "", f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {env.get('cpus')} CPUs; bf16 matmul measured "
               f"{env.get('matmul_bf16_tflops', 0):.1f} TFLOP/s (datasheet {env.get('datasheet_bf16_tflops')}); "
+              f"torch built for {','.join(env.get('arch_list') or []) or '-'}; "
               f"{res.get('when')}; total {res.get('total_s', 0):.0f} s", ""]
     for key, title in (("train", "Training step (bf16)"),
                        ("check", f"The GPU-size learning check's pretraining step ({CHECK}, bf16)")):
