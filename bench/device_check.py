@@ -11,7 +11,7 @@ network). In a few minutes from a bare machine it writes `device_check.json` and
   per step (torch.utils.flop_counter), MFU against the card's bf16 peak, peak memory; ViT-B at the
   largest batch `make plan` says fits (halved on an out-of-memory);
 - check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at batch
-  128, eager and compiled) and what its 3,700 steps take;
+  128; eager, eager with cuDNN attention allowed, compiled) and what its 3,700 steps take;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
 - loader: the production loader with the default workers at the production crop, volumes per second
@@ -195,8 +195,9 @@ def time_limit(ctx: dict) -> float:
     return max(240.0, ctx["left"]())
 
 
-def run_json(code: str, timeout: float) -> dict:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+def run_json(code: str, timeout: float, env: dict | None = None) -> dict:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-4000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -216,7 +217,7 @@ def shape_arg(crop) -> str:
 
 
 def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop, batch: int, steps: int,
-              compile_: bool = False, cache: Path | None = None) -> dict:
+              compile_: bool = False, cache: Path | None = None, env: dict | None = None) -> dict:
     """One config's step on the device; on an out-of-memory the batch is halved and tried again."""
     s = ctx["sizes"]
     base = [f"data.cache={cache or make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"name=bench_{name}",
@@ -225,7 +226,8 @@ def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop
     while True:
         over = base + overrides + [f"batch_size={batch}", f"compile={'true' if compile_ else 'false'}"]
         try:
-            r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps), timeout=time_limit(ctx))
+            r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps), timeout=time_limit(ctx),
+                         env=env)
             break
         except RuntimeError as exc:
             if "out of memory" not in str(exc).lower() or batch == 1:
@@ -294,20 +296,24 @@ def check_cache(ctx: dict) -> Path:
 
 
 def check_step(ctx: dict) -> dict:
-    """The GPU-size learning check's pretraining step at its batch, eager and (with time left)
-    compiled, and what its `max_steps` of them take: the check's largest stage (issue 41's
-    six minutes)."""
+    """The GPU-size learning check's pretraining step at its batch, eager, then with time left
+    eager with cuDNN attention allowed (its first step against the default's: the lead for the
+    first H200 run's 97 s, train/attention.py) and compiled, with what its `max_steps` of them
+    take: the check's largest stage (issue 41's six minutes)."""
     from octfm import config
+    from train import attention
     from train.config import TrainConfig
 
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
     out = {}
-    for name, compiled in (("eager", False), ("compiled", True)):
-        if compiled and ctx["left"]() < (30 if s.dry else 150):  # inductor on a ViT-S step takes a minute or so
-            break
+    variants = {"eager": (False, None, 0), "eager_cudnn_attention": (False, {attention.CUDNN_ENV: "1"}, 90),
+                "compiled": (True, None, 150)}  # seconds left each optional variant needs (inductor: a minute or so)
+    for name, (compiled, env, needs) in variants.items():
+        if ctx["left"]() < (needs / 5 if s.dry else needs):
+            continue
         out[name] = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=compiled,
-                              cache=check_cache(ctx))
+                              cache=check_cache(ctx), env=env)
         out[name]["pretrain_s"] = out[name]["step_s"] * config.load(TrainConfig, path).max_steps
         write_results(ctx, "check", out)
     return out

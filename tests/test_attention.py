@@ -136,3 +136,17 @@ def test_row_gather_matches_an_elementwise_gather_in_value_and_gradient():
     torch.testing.assert_close(ga, gb)
     pos = torch.randn(50, 8)
     torch.testing.assert_close(model.gather_rows(pos, idx), pos[idx.long()])
+
+
+def test_cuda_calls_leave_out_cudnn_attention_unless_asked(monkeypatch):
+    """Flash and memory-efficient only by default (cuDNN's per-shape graph builds: a lead for the
+    first H200 step's 97 s); OCTFM_SDPA_CUDNN=1 adds cuDNN, for device-check's comparison."""
+    from torch.nn.attention import SDPBackend
+
+    attention.cuda_backends.cache_clear()
+    monkeypatch.delenv(attention.CUDNN_ENV, raising=False)
+    assert attention.cuda_backends() == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    attention.cuda_backends.cache_clear()
+    monkeypatch.setenv(attention.CUDNN_ENV, "1")
+    assert SDPBackend.CUDNN_ATTENTION in attention.cuda_backends()
+    attention.cuda_backends.cache_clear()

@@ -5,9 +5,12 @@ The kernel is chosen by where the tensors live, so model code never names a back
 - TPU (torch_xla): the Pallas flash-attention kernel of torch_xla. Its memory is linear in the
   sequence; XLA's own lowering of SDPA is the math path, which materialises [B, H, N, N]
   scores (11 GB per predictor layer at the production config: docs/accelerators.md).
-- CUDA: SDPA restricted to its flash, memory-efficient and cuDNN kernels. The math kernel is
-  never allowed: where none of the three applies the call fails and says so, instead of
-  silently running out of memory at ViT-B shapes.
+- CUDA: SDPA restricted to its flash and memory-efficient kernels. The math kernel is never
+  allowed: where neither applies the call fails and says so, instead of silently running out of
+  memory at ViT-B shapes. cuDNN's attention joins them only with OCTFM_SDPA_CUDNN=1: it builds
+  a graph per new shape at its first call (several are reported to cost hundreds of ms to
+  seconds each on Hopper), and the first H200 run spent 97 s before its first step, data-size
+  independent (docs/accelerators.md); `make device-check`'s check section times the step both ways.
 - CPU, and torch_xla on its CPU backend (the test lane): SDPA as PyTorch chooses (its CPU flash
   kernel without a mask, the math path with one).
 
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 # Kernels by name, and how their memory grows with the sequence length N (the plan's input).
 PALLAS_FLASH = "pallas-flash"
-SDPA_FUSED = "sdpa-fused"   # CUDA: flash / memory-efficient / cuDNN, never math
+SDPA_FUSED = "sdpa-fused"   # CUDA: flash / memory-efficient (cuDNN on request), never math
 SDPA = "sdpa"               # CPU: PyTorch's choice
 MATH = "math"               # XLA off TPU: the scores in full
 MEMORY = {PALLAS_FLASH: "linear", SDPA_FUSED: "linear", SDPA: "linear", MATH: "quadratic"}
@@ -69,10 +73,25 @@ def sdpa(q, k, v, keep=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
 
 
-def sdpa_fused(q, k, v, keep=None):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+CUDNN_ENV = "OCTFM_SDPA_CUDNN"  # "1": cuDNN attention may serve the CUDA calls too
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+
+@functools.lru_cache(maxsize=None)
+def cuda_backends() -> tuple:
+    """The SDPA kernels a CUDA call may use: flash and memory-efficient; cuDNN's too when
+    OCTFM_SDPA_CUDNN=1 (read once per process)."""
+    from torch.nn.attention import SDPBackend
+
+    chosen = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if os.environ.get(CUDNN_ENV) == "1":
+        chosen.append(SDPBackend.CUDNN_ATTENTION)
+    return tuple(chosen)
+
+
+def sdpa_fused(q, k, v, keep=None):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(list(cuda_backends())):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
 
 
