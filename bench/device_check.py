@@ -70,7 +70,7 @@ class Sizes:
             self.train = {"vit_b": (PRODUCTION, TINY, self.crop, None, 2)}
         # the GPU-size learning check's step (configs/pretrain_check_gpu.yaml): config, overrides, crop, batch, steps
         self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 128, 2 if dry else 10)
-        self.check_participants = 12 if dry else 64
+        self.check_participants = 12 if dry else 200  # about 315 train volumes: more than one batch of 128
         self.batch_cap = 2 if dry else 64
         self.loader_batches = 4 if dry else 30
         self.run_steps = 4 if dry else 40
@@ -307,10 +307,11 @@ def check_step(ctx: dict) -> dict:
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
     out = {}
-    variants = {"eager": (False, None, 0), "eager_cudnn_attention": (False, {attention.CUDNN_ENV: "1"}, 90),
-                "compiled": (True, None, 150)}  # seconds left each optional variant needs (inductor: a minute or so)
+    off, on = {attention.CUDNN_ENV: "0"}, {attention.CUDNN_ENV: "1"}
+    variants = {"eager": (False, off, 0), "eager_cudnn_attention": (False, on, 90),
+                "compiled": (True, off, 150)}  # seconds left each optional variant needs (inductor: a minute or so)
     for name, (compiled, env, needs) in variants.items():
-        if ctx["left"]() < (needs / 5 if s.dry else needs):
+        if needs and ctx["left"]() < (needs / 5 if s.dry else needs):  # the eager step always runs
             continue
         out[name] = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=compiled,
                               cache=check_cache(ctx), env=env)

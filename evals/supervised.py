@@ -70,14 +70,16 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     weight = probe_heads.class_weights(y, spec["classes"]).to(rt.device)
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
-    sampler = data.EpochSampler(len(rows), cfg.batch_size, seed=cfg.seed, stop_batch=steps)
+    batch = min(cfg.batch_size, len(rows))  # a small cohort's label fraction can hold fewer rows than a batch
+    sampler = data.EpochSampler(len(rows), batch, seed=cfg.seed, stop_batch=steps)
     workers = data.loader_workers(cfg.data.workers)
     kw = {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": cfg.data.start_method} \
         if workers > 0 else {}
-    dl = DataLoader(dataset(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **kw)
+    dl = DataLoader(dataset(ds, y), batch_size=batch, sampler=sampler, drop_last=True,
+                    pin_memory=rt.kind == "cuda", **kw)
     bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
     enc.train()
-    for step, b in enumerate(dl, 1):
+    for step, b in enumerate(rt.loader(dl), 1):  # CUDA: copied ahead on a side stream; XLA: placed by its loader
         b = rt.to_device(b)
         with rt.autocast():
             logits = head(enc.pool(enc(data.normalize(b["x"], b["aug"]))))

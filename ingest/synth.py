@@ -457,12 +457,13 @@ class _Writer:
 
 
 POOL_FROM = 64  # participants: below this a process pool's start-up costs more than it saves
+MAX_WORKERS = 32  # a large host (a TPU VM's 240 vCPUs) would otherwise start a process per core
 
 
 def default_workers(cfg: SynthConfig) -> int:
     if cfg.placeholders or cfg.participants < POOL_FROM:
         return 0
-    return len(os.sched_getaffinity(0))
+    return min(MAX_WORKERS, len(os.sched_getaffinity(0)))
 
 
 def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | None = None,

@@ -101,8 +101,8 @@ def test_the_model_routes_through_attend(monkeypatch):
 
 
 def test_cuda_kernels_never_include_the_math_path(monkeypatch):
-    """On CUDA SDPA may choose among flash, memory-efficient and cuDNN only (the CPU runs the same
-    call: its flash kernel, with and without a mask)."""
+    """On CUDA SDPA may choose among flash and memory-efficient (cuDNN with OCTFM_SDPA_CUDNN=1) only
+    (the CPU runs the same call: its flash kernel, with and without a mask)."""
     chosen = []
     import torch.nn.attention as tna
 

@@ -23,3 +23,16 @@ def test_workers_null_means_the_default_loader_workers(tiny_cache, tmp_path):
     st = checkpoint.load(path)
     assert st["step"] == 2 and st["supervised"]["task"] == "diabetic"
     assert all(v.device.type == "cpu" for v in st["target"].values())
+
+
+def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(tiny_cache, tmp_path):
+    """A small cohort's 25% or 10% of labels can hold fewer rows than batch_size (the GPU size's
+    smoke run: about 50 rows at batch 128); the reference takes them all as its batch instead of
+    stopping the check with a DataError after pretraining."""
+    cfg = supervised_cfg(tiny_cache, tmp_path, "device=cpu", "precision=fp32", "data.workers=0")
+    rows = supervised.task_rows(cfg)
+    one = {rows[0]["participant_id"]}
+    n = sum(r["participant_id"] in one for r in rows)
+    assert 0 < n < cfg.batch_size
+    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False, participants=one)
+    assert checkpoint.load(path)["step"] == 2

@@ -8,9 +8,9 @@ The kernel is chosen by where the tensors live, so model code never names a back
 - CUDA: SDPA restricted to its flash and memory-efficient kernels. The math kernel is never
   allowed: where neither applies the call fails and says so, instead of silently running out of
   memory at ViT-B shapes. cuDNN's attention joins them only with OCTFM_SDPA_CUDNN=1: it builds
-  a graph per new shape at its first call (several are reported to cost hundreds of ms to
-  seconds each on Hopper), and the first H200 run spent 97 s before its first step, data-size
-  independent (docs/accelerators.md); `make device-check`'s check section times the step both ways.
+  a graph per new shape at its first call (public reports: hundreds of ms to seconds each on
+  Hopper), and the first H200 run spent 97 s before its first step, and at least 95 s again with an
+  eighth of the volumes (docs/accelerators.md); `make device-check`'s check section times it both ways.
 - CPU, and torch_xla on its CPU backend (the test lane): SDPA as PyTorch chooses (its CPU flash
   kernel without a mask, the math path with one).
 

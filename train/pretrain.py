@@ -488,8 +488,8 @@ class Trainer:
 
     def _loop(self, log: metrics.MetricsLog, bar) -> dict:
         cfg, rt = self.cfg, self.rt
-        startup = Startup()
         net = self.network()
+        startup = Startup()
         if self.step < cfg.max_steps:
             self.load_resident(progress=not bar.disable)
         startup.lap("resident")
@@ -585,8 +585,8 @@ class Startup:
         self.pending = False
         log.log({"step": step, **self.laps, "total_s": round(sum(self.laps.values()), 3)}, prefix="startup")
         if show:
-            tqdm.write("pretrain: started in " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s"
-                                                           for k, v in self.laps.items()), file=sys.stderr)
+            parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in self.laps.items())
+            tqdm.write(f"pretrain: started in {sum(self.laps.values()):.1f} s ({parts})", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
