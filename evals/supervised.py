@@ -66,7 +66,8 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     head = nn.Linear(cfg.model.dim, spec["classes"]).to(rt.device)
     params = list(enc.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    # a 10% warmup; at exactly 10 steps that is one step, where OneCycleLR divides by zero
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.2 if steps == 10 else 0.1)
     weight = probe_heads.class_weights(y, spec["classes"]).to(rt.device)
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
