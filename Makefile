@@ -158,7 +158,7 @@ learning-check-device:
 	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m evals.learning_check --size gpu \
 	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) --finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3)) \
 	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(if $(SMOKE),$(SMOKE_ARGS)) $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
-	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result.* $(OUT)/ 2>/dev/null; exit $$rc
+	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result* $(OUT)/ 2>/dev/null; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)

@@ -13,7 +13,8 @@ same subsets), for `CUE=scanners` every scanner held out in turn and, with `--fi
 (FINETUNE=1), `make finetune` from the checkpoint and from random init on 10% and 100% of the
 labels against the frozen probe (the head val chose). Every stage is
 resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
-result.png; docs/learning-check.md keeps the decisions behind it.
+result.png (and, as soon as the features exist, result_interim.json and .md with the headline rows,
+for a run cut short); docs/learning-check.md keeps the decisions behind it.
 """
 from __future__ import annotations
 
@@ -279,6 +280,8 @@ def training_summary(run_dir: Path) -> dict:
 def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
     """At the smallest label fraction: pretrained + probe against the supervised reference
     trained on the same participants (None when no reference was trained)."""
+    if "label_efficiency" not in result:  # the interim result: no curve yet
+        return None
     first = result["label_efficiency"]["points"][0]
     if "supervised" not in first:
         return None
@@ -340,6 +343,8 @@ def markdown(result: dict) -> str:
         lines += [f"| {d} | {r['participants']} | {r['pretrained']:.3f} | {r['random_init']:.3f} | {_diff(r)} |"
                   for d, r in result["per_scanner"].items()]
         lines.append("")
+    if result.get("interim"):  # the headline rows only (interim)
+        return "\n".join(lines + [result["interim"] + ".", ""])
     ref = result.get("supervised_reference")
     if ref:
         lines += ["Supervised reference: the same encoder trained on the diabetic labels of the train split for as "
@@ -475,16 +480,29 @@ def frozen_probe(fitted: dict) -> np.ndarray:
     return fitted[check_probes.CHOSEN]["prob"]
 
 
-def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
-              tuned: dict | None = None) -> dict:
-    """Heads on every encoder's features: the two tasks on all labels, the binary task's
-    label-efficiency curve, for the scanners protocol each held-out scanner and, given fine-tuned
-    probabilities ({fraction: {init: prob}}), the fine-tuning rows."""
+def headline_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str) -> tuple:
+    """The folds and both encoders' heads for the two tasks on all labels: the check's headline
+    rows, fitted once (the interim result, then probe_all)."""
     fs = check_probes.folds(rows, protocol)
+    return fs, {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
+                for t in (MULTI, BINARY)}
+
+
+def headline(rows: list[dict], fitted: tuple, n_boot: int, seed: int) -> dict:
+    """Pretrained against random init on the two tasks, all labels, heads chosen on val."""
+    fs, fits = fitted
+    return {t: check_probes.compare(t, rows, fits[t], fs, n_boot, seed) for t in (MULTI, BINARY)}
+
+
+def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
+              tuned: dict | None = None, fitted: tuple | None = None) -> dict:
+    """Heads on every encoder's features: the two tasks on all labels (`fitted`: headline_fits'
+    result, when done already), the binary task's label-efficiency curve, for the scanners
+    protocol each held-out scanner and, given fine-tuned probabilities ({fraction: {init: prob}}),
+    the fine-tuning rows."""
     seed, tuned = pcfg.seed, tuned or {}
-    fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
-            for t in (MULTI, BINARY)}
-    out = {"tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, seed) for t in (MULTI, BINARY)}}
+    fs, fits = fitted or headline_fits(pcfg, rows, feats, protocol)
+    out = {"tasks": headline(rows, (fs, fits), n_boot, seed)}
     if 1.0 in sup:
         out["supervised_reference"] = {
             t: reference_row(t, rows, check_probes.fit_encoder(pcfg, sup[1.0], t, rows, fs), fits[t]["random_init"], fs,
@@ -537,6 +555,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
     probe_dir = RunFolder(run_dir).probe
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
+    head = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+            "source": source, "cohort_seed": seed if generated else None,
+            "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
+            "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
+            "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"]}
+    fitted = stages.run("headline probes", lambda: interim(head, pcfg, f, n_boot, out / cue))
     sup = {}
     if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
         people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
@@ -559,13 +583,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
                                                                    cache, pcfg.seed, device=device))
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
-                                                    tuned))
-    result = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
-              "source": source, "cohort_seed": seed if generated else None,
-              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
-              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
-              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
-              **scores, "supervised_reference": scores.get("supervised_reference", {}),
+                                                    tuned, fitted))
+    result = {**head, **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if tokens:
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
@@ -581,6 +600,24 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     fsio.atomic_write_bytes(str(dest / "result.md"), markdown(result).encode())
     plot(result, dest / "result.png")
     return result
+
+
+INTERIM = ("INTERIM, before the supervised references, label efficiency, fine-tuning and token probe "
+           "(result.json has them when the check ends)")
+
+
+def interim(head: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path) -> tuple:
+    """The headline rows as soon as the features exist, in result_interim.json and .md, and
+    their verdict printed: a run cut short (a lent GPU's minutes) keeps the check's main number.
+    Returns the fits, which the final probes reuse."""
+    fitted = headline_fits(pcfg, f["rows"], f["feats"], head["protocol"])
+    res = {**head, "interim": INTERIM, "tasks": headline(f["rows"], fitted, n_boot, pcfg.seed)}
+    res["verdict"] = f"{INTERIM}: {verdict(res)}"
+    dest.mkdir(parents=True, exist_ok=True)
+    fsio.atomic_write_bytes(str(dest / "result_interim.json"), json.dumps(res, indent=2, default=float).encode())
+    fsio.atomic_write_bytes(str(dest / "result_interim.md"), markdown(res).encode())
+    print(res["verdict"], flush=True)
+    return fitted
 
 
 def probe_line(probe_dir: Path) -> str:

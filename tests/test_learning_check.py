@@ -34,7 +34,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "supervised reference, 100% of labels",
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes",
+                                  "supervised reference, 100% of labels",
                                   "supervised reference, 25% of labels", "supervised reference, 10% of labels",
                                   "token probe", "probes"}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
@@ -272,6 +273,12 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     saved = (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "token probe", "probes"}
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes"}
+    # the headline rows were written as soon as the features existed (a lent GPU's run cut short keeps
+    # them) and are the final result's: the final probes reuse their fits
+    early = json.loads((tmp_path / "out" / "lesions" / "result_interim.json").read_text())
+    assert early["tasks"] == res["tasks"] and "label_efficiency" not in early and "token_probe" not in early
+    printed = capsys.readouterr().out
+    assert early["verdict"].startswith("INTERIM") and early["verdict"] in printed
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
-    assert res["verdict"] in capsys.readouterr().out
+    assert res["verdict"] in printed
