@@ -480,29 +480,27 @@ def frozen_probe(fitted: dict) -> np.ndarray:
     return fitted[check_probes.CHOSEN]["prob"]
 
 
-def headline_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str) -> tuple:
-    """The folds and both encoders' heads for the two tasks on all labels: the check's headline
-    rows, fitted once (the interim result, then probe_all)."""
+def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str, n_boot: int) -> dict:
+    """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
+    the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
+    Done once, right after the features (the interim result); probe_all builds on it."""
     fs = check_probes.folds(rows, protocol)
-    return fs, {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
-                for t in (MULTI, BINARY)}
-
-
-def headline(rows: list[dict], fitted: tuple, n_boot: int, seed: int) -> dict:
-    """Pretrained against random init on the two tasks, all labels, heads chosen on val."""
-    fs, fits = fitted
-    return {t: check_probes.compare(t, rows, fits[t], fs, n_boot, seed) for t in (MULTI, BINARY)}
+    fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
+            for t in (MULTI, BINARY)}
+    return {"folds": fs, "fits": fits,
+            "tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, pcfg.seed) for t in (MULTI, BINARY)}}
 
 
 def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
-              tuned: dict | None = None, fitted: tuple | None = None) -> dict:
-    """Heads on every encoder's features: the two tasks on all labels (`fitted`: headline_fits'
+              tuned: dict | None = None, head: dict | None = None) -> dict:
+    """Heads on every encoder's features: the two tasks on all labels (`head`: headline_probes'
     result, when done already), the binary task's label-efficiency curve, for the scanners
     protocol each held-out scanner and, given fine-tuned probabilities ({fraction: {init: prob}}),
     the fine-tuning rows."""
     seed, tuned = pcfg.seed, tuned or {}
-    fs, fits = fitted or headline_fits(pcfg, rows, feats, protocol)
-    out = {"tasks": headline(rows, (fs, fits), n_boot, seed)}
+    head = head or headline_probes(pcfg, rows, feats, protocol, n_boot)
+    fs, fits = head["folds"], head["fits"]
+    out = {"tasks": head["tasks"]}
     if 1.0 in sup:
         out["supervised_reference"] = {
             t: reference_row(t, rows, check_probes.fit_encoder(pcfg, sup[1.0], t, rows, fs), fits[t]["random_init"], fs,
@@ -555,12 +553,13 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
     probe_dir = RunFolder(run_dir).probe
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
-    head = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
-            "source": source, "cohort_seed": seed if generated else None,
-            "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
-            "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
-            "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"]}
-    fitted = stages.run("headline probes", lambda: interim(head, pcfg, f, n_boot, out / cue))
+    about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+             "source": source, "cohort_seed": seed if generated else None,
+             "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
+             "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
+             "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"]}
+    dest = out / cue
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
     sup = {}
     if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
         people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
@@ -583,8 +582,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
                                                                    cache, pcfg.seed, device=device))
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
-                                                    tuned, fitted))
-    result = {**head, **scores, "supervised_reference": scores.get("supervised_reference", {}),
+                                                    tuned, head))
+    result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if tokens:
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
@@ -594,10 +593,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     if "finetune" in result:
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
         result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
-    dest = out / cue
-    dest.mkdir(parents=True, exist_ok=True)
-    fsio.atomic_write_bytes(str(dest / "result.json"), json.dumps(result, indent=2, default=float).encode())
-    fsio.atomic_write_bytes(str(dest / "result.md"), markdown(result).encode())
+    write_result(result, dest, "result")
     plot(result, dest / "result.png")
     return result
 
@@ -606,18 +602,23 @@ INTERIM = ("INTERIM, before the supervised references, label efficiency, fine-tu
            "(result.json has them when the check ends)")
 
 
-def interim(head: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path) -> tuple:
+def write_result(result: dict, dest: Path, stem: str) -> None:
+    """<stem>.json and <stem>.md in dest, each written atomically."""
+    dest.mkdir(parents=True, exist_ok=True)
+    fsio.atomic_write_bytes(str(dest / f"{stem}.json"), json.dumps(result, indent=2, default=float).encode())
+    fsio.atomic_write_bytes(str(dest / f"{stem}.md"), markdown(result).encode())
+
+
+def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path) -> dict:
     """The headline rows as soon as the features exist, in result_interim.json and .md, and
     their verdict printed: a run cut short (a lent GPU's minutes) keeps the check's main number.
-    Returns the fits, which the final probes reuse."""
-    fitted = headline_fits(pcfg, f["rows"], f["feats"], head["protocol"])
-    res = {**head, "interim": INTERIM, "tasks": headline(f["rows"], fitted, n_boot, pcfg.seed)}
+    Returns headline_probes' result, which the final probes reuse."""
+    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot)
+    res = {**about, "interim": INTERIM, "tasks": head["tasks"]}
     res["verdict"] = f"{INTERIM}: {verdict(res)}"
-    dest.mkdir(parents=True, exist_ok=True)
-    fsio.atomic_write_bytes(str(dest / "result_interim.json"), json.dumps(res, indent=2, default=float).encode())
-    fsio.atomic_write_bytes(str(dest / "result_interim.md"), markdown(res).encode())
+    write_result(res, dest, "result_interim")
     print(res["verdict"], flush=True)
-    return fitted
+    return head
 
 
 def probe_line(probe_dir: Path) -> str:

@@ -22,7 +22,6 @@ def test_workers_null_means_the_default_loader_workers(tiny_cache, tmp_path):
     path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False)
     st = checkpoint.load(path)
     assert st["step"] == 2 and st["supervised"]["task"] == "diabetic"
-    assert all(v.device.type == "cpu" for v in st["target"].values())
 
 
 def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(tiny_cache, tmp_path):
