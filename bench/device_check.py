@@ -183,11 +183,40 @@ for r in range(3):
         tr.update([batches[i % 3]], net)
     sync(); rounds.append((time.perf_counter() - t) / {steps})
 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if rt.kind == "cuda" else None
+prof = {{}}
+if {profile}:
+    from bench.device_check import profile_summary
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.kind == "cuda" else [])
+    try:
+        with profile(activities=acts) as p:
+            for i in range({steps}):
+                tr.update([batches[i % 3]], net)
+            sync()
+        prof = profile_summary(p.key_averages(), {steps}, rt.kind == "cuda")
+    except Exception as exc:
+        prof = {{"profile_error": f"{{type(exc).__name__}}: {{exc}}"[:500]}}
 print(json.dumps({{"step_s": statistics.median(rounds), "rounds_s": rounds, "first_step_s": first,
                   "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": fc.get_total_flops(),
                   "peak_gib": peak, "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
-                  "compile": cfg.compile}}))
+                  "compile": cfg.compile, **prof}}))
 """
+
+
+def profile_summary(events, steps: int, cuda: bool, top: int = 12) -> dict:
+    """Where a profiled step's time goes, per step: the device's kernel time summed (on CUDA; set
+    beside the unprofiled step time it says whether the GPU or the host sets the pace: a busy share
+    far below 1 means the host's dispatch and launches leave the GPU waiting), the host's op time,
+    op calls, and the ops that take the most device (CPU: host) time."""
+    def dev(e) -> float:  # microseconds; the attribute was renamed from cuda to device in torch 2.4
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+    cost = dev if cuda else (lambda e: float(e.self_cpu_time_total))
+    ranked = sorted(events, key=cost, reverse=True)[:top]
+    return {"profile_device_ms_per_step": sum(dev(e) for e in events) / steps / 1e3 if cuda else None,
+            "profile_host_ms_per_step": sum(e.self_cpu_time_total for e in events) / steps / 1e3,
+            "profile_op_calls_per_step": sum(e.count for e in events) / steps,
+            "profile_top": [[e.key[:80], round(cost(e) / steps / 1e3, 3), round(e.count / steps, 1)] for e in ranked]}
 
 
 def time_limit(ctx: dict) -> float:
@@ -217,8 +246,10 @@ def shape_arg(crop) -> str:
 
 
 def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop, batch: int, steps: int,
-              compile_: bool = False, cache: Path | None = None, env: dict | None = None) -> dict:
-    """One config's step on the device; on an out-of-memory the batch is halved and tried again."""
+              compile_: bool = False, cache: Path | None = None, env: dict | None = None,
+              profile: bool = False) -> dict:
+    """One config's step on the device; on an out-of-memory the batch is halved and tried again.
+    `profile`: then `steps` more steps under torch.profiler (profile_summary), after the timing."""
     s = ctx["sizes"]
     base = [f"data.cache={cache or make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"name=bench_{name}",
             f"device={s.device}", "precision=bf16", "data.workers=0", "wandb.enabled=false", "data.stride=[1,1,1]",
@@ -226,7 +257,8 @@ def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop
     while True:
         over = base + overrides + [f"batch_size={batch}", f"compile={'true' if compile_ else 'false'}"]
         try:
-            r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps), timeout=time_limit(ctx),
+            r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps, profile=profile),
+                         timeout=time_limit(ctx),
                          env=env)
             break
         except RuntimeError as exc:
@@ -238,6 +270,8 @@ def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop
     r["achieved_tflops"] = r["flops_per_step"] / r["step_s"] / 1e12
     r["mfu"] = r["flops_per_step"] / r["step_s"] / peak
     r["mfu_of_measured_matmul"] = r["flops_per_step"] / r["step_s"] / (ctx["env"]["matmul_bf16_tflops"] * 1e12)
+    if r.get("profile_device_ms_per_step") is not None:
+        r["gpu_busy_frac"] = r["profile_device_ms_per_step"] / 1e3 / r["step_s"]
     return r
 
 
@@ -246,7 +280,7 @@ def train_steps(ctx: dict) -> dict:
     out = {}
     for name, (path, over, crop, batch, steps) in s.train.items():
         b = batch or plan_batch(path, over + [shape_arg(crop)], ctx["env"]["accel"], s.batch_cap)
-        out[name] = step_size(ctx, name, path, over, crop, b, steps)
+        out[name] = step_size(ctx, name, path, over, crop, b, steps, profile=name == "vit_b")
         write_results(ctx, "train", out)
     if ctx["left"]() > (60 if s.dry else 150):  # torch.compile of ViT-B takes a minute or more
         path, over, crop, _, steps = s.train["vit_b"]
@@ -314,7 +348,7 @@ def check_step(ctx: dict) -> dict:
         if needs and ctx["left"]() < (needs / 5 if s.dry else needs):  # the eager step always runs
             continue
         out[name] = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=compiled,
-                              cache=check_cache(ctx), env=env)
+                              cache=check_cache(ctx), env=env, profile=True)
         out[name]["pretrain_s"] = out[name]["step_s"] * config.load(TrainConfig, path).max_steps
         write_results(ctx, "check", out)
     return out
@@ -442,6 +476,27 @@ def step_table(steps: dict, title: str) -> list[str]:
     return md + [""]
 
 
+def profile_table(steps: dict, title: str) -> list[str]:
+    """Where the profiled steps' time goes (profile_summary's records)."""
+    rows = {k: v for k, v in steps.items() if isinstance(v, dict) and ("profile_top" in v or "profile_error" in v)}
+    if not rows:
+        return []
+    md = [f"## {title}", ""]
+    for k, v in rows.items():
+        if "profile_error" in v:
+            md += [f"{k}: not profiled ({v['profile_error']})", ""]
+            continue
+        busy = v.get("gpu_busy_frac")
+        where = ("" if busy is None else
+                 f"kernels {v['profile_device_ms_per_step']:.1f} ms per step against {1000 * v['step_s']:.1f} ms "
+                 f"unprofiled: the GPU is busy {100 * busy:.0f}% of a step ({'the host sets the pace' if busy < 0.7 else 'the GPU sets the pace'}); ")
+        md += [f"{k}: {where}host op time {v['profile_host_ms_per_step']:.1f} ms per step, "
+               f"{v['profile_op_calls_per_step']:.0f} op calls per step.", "",
+               f"| op | {'device' if busy is not None else 'host'} ms per step | calls per step |", "|---|---|---|",
+               *(f"| `{name}` | {ms:.2f} | {n:g} |" for name, ms, n in v["profile_top"]), ""]
+    return md
+
+
 def markdown(res: dict) -> list[str]:
     env = res.get("environment") or {}
     md = [f"# make device-check: {env.get('device', '?')}{' (DRY RUN: CPU, tiny sizes)' if res.get('dry_run') else ''}",
@@ -452,6 +507,7 @@ def markdown(res: dict) -> list[str]:
     for key, title in (("train", "Training step (bf16)"),
                        ("check", f"The GPU-size learning check's pretraining step ({CHECK}, bf16)")):
         md += step_table(res.get(key) or {}, title)
+        md += profile_table(res.get(key) or {}, f"{title}: where a step's time goes (torch.profiler)")
     ref = res.get("reference") or {}
     if ref.get("markdown"):
         md += ref["markdown"] + [""]

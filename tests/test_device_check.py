@@ -29,12 +29,17 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     ck = res["check"]  # the GPU-size learning check's step, on a cache of its shape
     assert "compiled" not in ck and ck["eager"]["tokens"] == 288  # its 8 x 6 x 6 grid; no budget for compiling
     assert ck["eager"]["pretrain_s"] == pytest.approx(3700 * ck["eager"]["step_s"])  # its max_steps
+    prof = ck["eager"]  # profiled after its timing: where the step's time goes (on the CPU, host time only)
+    assert prof["profile_op_calls_per_step"] > 1000 and prof["profile_device_ms_per_step"] is None
+    assert "gpu_busy_frac" not in prof and len(prof["profile_top"]) == 12
+    assert sum(ms for _, ms, _ in prof["profile_top"]) <= prof["profile_host_ms_per_step"]
     assert "no vjepa2 checkout" in res["reference"]["skipped"]
     ld = res["loader"]
     assert 0 <= ld["data_wait_frac"] <= 1 and ld["workers"] >= 1 and ld["run_samples_per_s"] > 0
     md = (out / "device_check.md").read_text()
     for line in ("MFU of the production (ViT-B) step", "octfm / vjepa2: not measured", "data wait with the default loader",
-                 "CUDA tests: 0 passed", "GPU-size learning check's pretraining at the measured step: eager"):
+                 "CUDA tests: 0 passed", "GPU-size learning check's pretraining at the measured step: eager",
+                 "bf16): where a step's time goes (torch.profiler)", "eager: host op time"):
         assert line in md, md
     assert not (out / "work").exists()
 
