@@ -64,8 +64,19 @@ CUES = {
                     "the lesions cohort, probes trained on three scanners and tested on the fourth"),
 }
 CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
-# the check's sizes (make learning-check SIZE=...): the production recipe at each size, one cohort and cache
-SIZES = {"cpu": "configs/pretrain_check.yaml", "gpu": "configs/pretrain_check_gpu.yaml"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One size of the check (make learning-check SIZE=...): the production recipe at that size
+    (one cohort and cache for all), and how its supervised references stop (decision 17: at GPU
+    size `max_steps` of 128 would be 3,000 epochs of the 10% labels; at CPU size they train them all)."""
+    config: str
+    supervised_stop: supervised.Stopping = supervised.Stopping()
+
+
+SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
+         "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4))}
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
@@ -152,13 +163,15 @@ def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[st
 
 
 def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str],
-                    participants: set[str] | None = None, tag: str = "") -> str:
+                    participants: set[str] | None = None, tag: str = "",
+                    stop: supervised.Stopping = supervised.Stopping()) -> str:
     """The supervised reference (evals/supervised.py): the recipe's encoder trained on the
     binary task's labels (of these participants, for a label fraction) for as many steps as
-    pretraining takes."""
+    pretraining takes, or until `stop` ends it on val (the size's rule)."""
     cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
-    name = supervised_name(config_path, cache, overrides, participants, tag)
-    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants)
+    name = supervised_name(config_path, cache, overrides, participants, tag + stop.tag)
+    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants,
+                            stop=stop)
 
 
 def supervised_name(config_path: str, cache: str, overrides: Sequence[str], participants: set[str] | None,
@@ -348,12 +361,12 @@ def markdown(result: dict) -> str:
     ref = result.get("supervised_reference")
     if ref:
         lines += ["Supervised reference: the same encoder trained on the diabetic labels of the train split for as "
-                  "many steps (it sees labels that pretraining never does), probed like the pretrained one. It "
+                  "many steps, or until val stops it (it sees labels that pretraining never does), probed like the pretrained one. It "
                   "measures how far label-aware features of this architecture get on this cohort.", "",
                   "| task | supervised (head) | random-init | supervised - random [95% CI] |", "|---|---|---|---|"]
         lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {_diff(r)} |"
                   for t, r in ref.items()]
-        lines.append("")
+        lines += ["", reference_training_line(result.get("supervised_training") or {}), ""]
     pts = result["label_efficiency"]["points"]
     with_sup = "supervised" in pts[0]
     lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
@@ -469,9 +482,27 @@ def pct(fraction: float) -> str:
     return f"{round(fraction * 100)}%"
 
 
-def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> dict:
-    """A supervised checkpoint's frozen features (no random-init baseline: the check has it)."""
-    return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"]
+def reference_training_line(training: dict) -> str:
+    """How each supervised reference trained, from supervised_features' records."""
+    def one(frac: str, t: dict) -> str:
+        if "stopped_at" not in t:
+            return f"{frac} of labels {t['steps']} steps"
+        return (f"{frac} of labels best val {t['best_val_balanced_accuracy']:.3f} at step {t['best_step']}, "
+                f"stopped at {t['stopped_at']}")
+    stop = next((t for t in training.values() if "val_every" in t), None)
+    rule = (f" (stopping on val, decision 17: scored every {stop['val_every']} steps, patience {stop['patience']})"
+            if stop else "")
+    return "Reference training" + rule + ": " + "; ".join(one(f, t) for f, t in training.items()) + "."
+
+
+def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> tuple[dict, dict]:
+    """A supervised checkpoint's frozen features (no random-init baseline: the check has it) and
+    how it trained: its steps and, where it stopped on val (decision 17), the best step, where it
+    stopped and the best val score."""
+    st = checkpoint.load(ckpt)
+    keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")
+    how = {"steps": st["step"], **{k: st["supervised"][k] for k in keys if k in st["supervised"]}}
+    return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"], how
 
 
 def frozen_probe(fitted: dict) -> np.ndarray:
@@ -533,7 +564,8 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
-          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1) -> dict:
+          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
+          supervised_stop: supervised.Stopping = supervised.Stopping()) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
@@ -560,14 +592,15 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"]}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
-    sup = {}
+    sup, sup_training = {}, {}
     if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
         people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
         for frac in sorted(fractions, reverse=True):
             tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
-            sup[frac] = stages.run(f"supervised reference, {pct(frac)} of labels", lambda frac=frac, tag=tag: (
-                supervised_features(pcfg, supervised_ckpt(config_path, cache, out, overrides, people[frac], tag),
-                                    probe_dir)))
+            sup[frac], sup_training[pct(frac)] = stages.run(f"supervised reference, {pct(frac)} of labels", (
+                lambda frac=frac, tag=tag: supervised_features(
+                    pcfg, supervised_ckpt(config_path, cache, out, overrides, people[frac], tag, supervised_stop),
+                    probe_dir)))
     tuned = {}
     if spec.protocol == "splits":  # held-out scanners: no fine-tuning per fold
         for frac in sorted(finetune_fractions):
@@ -584,6 +617,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned, head))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
+              "supervised_training": sup_training, "supervised_stop": dataclasses.asdict(supervised_stop),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if tokens:
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
@@ -679,10 +713,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.finetune_seeds < 1:
         raise cli.UsageError(f"--finetune-seeds (FT_SEEDS): {a.finetune_seeds}; needs at least 1")
     t0 = time.perf_counter()
-    r = check(a.source, Path(a.work), Path(a.out), a.config or SIZES[a.size], a.overrides, a.cue, a.seed, a.participants, a.bootstrap,
-              a.probe, with_supervised=not a.no_supervised,
+    size = SIZES[a.size]
+    r = check(a.source, Path(a.work), Path(a.out), a.config or size.config, a.overrides, a.cue, a.seed, a.participants,
+              a.bootstrap, a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
-              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds)
+              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds, supervised_stop=size.supervised_stop)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

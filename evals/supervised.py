@@ -9,6 +9,9 @@ a competitor: it sees the labels that pretraining never does.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,10 +21,50 @@ from tqdm import tqdm
 from evals import probe_heads
 from manifests.aireadi import TASKS
 from octfm import cli, config
-from train import checkpoint, data, masks, runtime
+from octfm.scores import balanced_accuracy
+from train import checkpoint, data, encoder, masks, runtime
 from train.config import TrainConfig
 from train.model import Encoder
 from train.pretrain import to_cpu
+
+WARMUP = 0.1  # the one-cycle schedule's warmup share (0.2 at exactly 10 steps, where 0.1 divides by zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """Early stopping on val (docs/learning-check.md, decision 17): the reference's own head scored
+    on the val centre crops every `every` steps and at the last; the best state is kept, and after
+    `patience` scores in a row without a better one past the warmup the training stops. `every` 0:
+    no scores, all `steps` are trained and the last state is kept (the CPU size)."""
+    every: int = 0
+    patience: int = 0
+
+    @property
+    def tag(self) -> str:
+        """A run-name suffix: a reference trained under another rule is another reference."""
+        return f"_stop{self.every}x{self.patience}" if self.every else ""
+
+
+class ValScore:
+    """The reference's own head on the labelled val rows' centre crops (read once and kept)."""
+
+    def __init__(self, cfg: TrainConfig, task: str, batch: int):
+        self.classes = TASKS[task]["classes"]
+        rows = task_rows(cfg, "val")
+        self.y = np.array([TASKS[task]["map"](r["label"]) for r in rows])
+        d = cfg.data
+        self.batches = list(encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, batch))
+
+    @torch.no_grad()
+    def __call__(self, enc: Encoder, head: nn.Module, rt: runtime.Runtime) -> float:
+        enc.eval()
+        pred = []
+        for x, n in self.batches:
+            with rt.autocast():
+                logits = head(enc.pool(enc(data.normalize(x.to(rt.device)))))
+            pred.append(logits.float().argmax(1)[:n].cpu().numpy())
+        enc.train()
+        return balanced_accuracy(self.y, np.concatenate(pred), self.classes)
 
 
 def task_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:
@@ -47,9 +90,10 @@ class Labelled(Dataset):
 
 
 def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e-4, weight_decay: float = 0.05,
-          progress: bool = True, dataset=Labelled, participants: set[str] | None = None) -> str:
-    """Train encoder + linear head on `task` for `steps` steps on the config's device and
-    precision (the GPU size: cuda in bf16); returns the checkpoint
+          progress: bool = True, dataset=Labelled, participants: set[str] | None = None,
+          stop: Stopping = Stopping()) -> str:
+    """Train encoder + linear head on `task` for `steps` steps (or fewer, `stop`) on the config's
+    device and precision (the GPU size: cuda in bf16); returns the checkpoint
     (its `target` holds the encoder, so `evals.features.checkpoint_encoder` reads it). A finished
     checkpoint is reused: the check is resumable at this granularity. `dataset(ds, y)` wraps
     the crops (evals/cohort_screen.py plants a cue with it); `participants` narrows the train
@@ -66,8 +110,8 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     head = nn.Linear(cfg.model.dim, spec["classes"]).to(rt.device)
     params = list(enc.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    # a 10% warmup; at exactly 10 steps that is one step, where OneCycleLR divides by zero
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.2 if steps == 10 else 0.1)
+    warmup = 0.2 if steps == 10 else WARMUP
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=warmup)
     weight = probe_heads.class_weights(y, spec["classes"]).to(rt.device)
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     ds = data.CacheDataset(rows, cfg.data, cfg.mask, grid, masks.calibrate(grid, cfg.mask, seed=cfg.seed), cfg.seed)
@@ -79,6 +123,9 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     dl = DataLoader(dataset(ds, y), batch_size=batch, sampler=sampler, drop_last=True,
                     pin_memory=rt.kind == "cuda", **kw)
     bar = tqdm(total=steps, desc=f"supervised {task}", unit="step", disable=not progress, dynamic_ncols=True)
+    val = ValScore(cfg, task, batch) if stop.every else None
+    best = {"score": -1.0, "step": steps, "state": None, "stale": 0, "history": []}
+    step = 0
     enc.train()
     for step, b in enumerate(rt.loader(dl), 1):  # CUDA: copied ahead on a side stream; XLA: placed by its loader
         b = rt.to_device(b)
@@ -93,9 +140,30 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
         rt.sync()  # XLA: the step's graph
         bar.update(1)
         if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", **({"val": f"{best['score']:.3f}"} if val else {}))
+        if val and (step % stop.every == 0 or step == steps) and scored_stop(best, step, val(enc, head, rt), enc, head,
+                                                                              stop, past_warmup=step > warmup * steps):
+            break
     bar.close()
-    state = {"config": config.to_dict(cfg), "target": to_cpu(enc.state_dict()), "head": to_cpu(head.state_dict()),
-             "step": steps,
-             "supervised": {"task": task, "lr": lr, "weight_decay": weight_decay}}
-    return checkpoint.save(state, ckpt_dir, steps)
+    meta = {"task": task, "lr": lr, "weight_decay": weight_decay}
+    if val:
+        enc_state, head_state = best["state"]
+        meta.update(val_every=stop.every, patience=stop.patience, best_step=best["step"], stopped_at=step,
+                    best_val_balanced_accuracy=best["score"], val_history=best["history"])
+    else:
+        enc_state, head_state = to_cpu(enc.state_dict()), to_cpu(head.state_dict())
+    state = {"config": config.to_dict(cfg), "target": enc_state, "head": head_state, "step": best["step"],
+             "supervised": meta}
+    return checkpoint.save(state, ckpt_dir, best["step"])
+
+
+def scored_stop(best: dict, step: int, score: float, enc: Encoder, head: nn.Module, stop: Stopping,
+                past_warmup: bool) -> bool:
+    """Record a val score; keep the state if it is the best so far (ties keep the earlier one).
+    True when `stop.patience` scores in a row past the warmup have not beaten the best."""
+    best["history"].append([step, round(score, 4)])
+    if score > best["score"]:
+        best.update(score=score, step=step, state=(to_cpu(enc.state_dict()), to_cpu(head.state_dict())), stale=0)
+    elif past_warmup:
+        best["stale"] += 1
+    return bool(stop.patience) and best["stale"] >= stop.patience

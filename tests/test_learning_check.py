@@ -51,6 +51,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         d = p["pretrained_minus_supervised"]
         assert abs(d["difference"] - (p["pretrained"]["balanced_accuracy"] - p["supervised"]["balanced_accuracy"])) < 1e-9
     assert res["training"]["steps"] == 4
+    assert res["supervised_stop"] == {"every": 0, "patience": 0}          # the CPU size: references train max_steps
+    assert res["supervised_training"] == {f: {"steps": 4} for f in ("100%", "25%", "10%")}
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
@@ -266,14 +268,21 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     pretrain.Trainer.load_resident = spy
     try:
         assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                                    "--participants", "12", "--bootstrap", "20", "--no-supervised", *PROBE, *tiny]) == 0
+                                    "--participants", "12", "--bootstrap", "20", *PROBE, *tiny]) == 0
     finally:
         pretrain.Trainer.load_resident = real
     res = json.loads((tmp_path / "out" / "lesions" / "result.json").read_text())
     saved = (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes"}
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
+                                  *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
+    # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
+    assert res["supervised_stop"] == {"every": 50, "patience": 4}
+    assert all(t["steps"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
+               for t in res["supervised_training"].values()) and len(res["supervised_training"]) == 3
+    assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
+        (tmp_path / "out" / "lesions" / "result.md").read_text()
     # the headline rows were written as soon as the features existed (a lent GPU's run cut short keeps
     # them) and are the final result's: the final probes reuse their fits
     early = json.loads((tmp_path / "out" / "lesions" / "result_interim.json").read_text())

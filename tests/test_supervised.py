@@ -1,5 +1,6 @@
 """The learning check's supervised reference (evals/supervised.py) takes the config's loader
 workers: the GPU size ships `data.workers: null`. Its CUDA run is in tests/test_cuda.py."""
+import pytest
 from conftest import tiny_train_args
 from evals import supervised
 from octfm import config
@@ -35,3 +36,52 @@ def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(tiny_cache,
     assert 0 < n < cfg.batch_size
     path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=10, progress=False, participants=one)
     assert checkpoint.load(path)["step"] == 10  # 10 steps: OneCycleLR's one-step warmup divided by zero
+
+
+def test_the_stopping_rule_keeps_the_best_state_and_counts_only_past_the_warmup():
+    """Decision 17's bookkeeping: a better score keeps the state, a tie keeps the earlier one, and
+    only scores past the warmup count toward the patience."""
+    import torch
+
+    enc, head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    best = {"score": -1.0, "step": 0, "state": None, "stale": 0, "history": []}
+    stop = supervised.Stopping(every=10, patience=2)
+    with torch.no_grad():
+        enc.weight.fill_(1.0)
+    assert not supervised.scored_stop(best, 10, 0.6, enc, head, stop, past_warmup=False)
+    with torch.no_grad():
+        enc.weight.fill_(2.0)  # a later state that val does not like better is not kept
+    assert not supervised.scored_stop(best, 20, 0.5, enc, head, stop, past_warmup=False)  # in the warmup: not counted
+    assert not supervised.scored_stop(best, 30, 0.6, enc, head, stop, past_warmup=True)   # a tie: one stale score
+    assert best["step"] == 10 and best["stale"] == 1 and float(best["state"][0]["weight"][0, 0]) == 1.0
+    assert supervised.scored_stop(best, 40, 0.55, enc, head, stop, past_warmup=True)      # the second: stop
+    assert best["history"] == [[10, 0.6], [20, 0.5], [30, 0.6], [40, 0.55]]
+    assert not supervised.scored_stop({**best, "stale": 0}, 50, 0.7, enc, head, stop, past_warmup=True)
+
+
+def test_a_reference_that_stops_on_val_saves_its_best_val_state(tiny_cache, tmp_path):
+    """With `Stopping` the reference scores its head on val every few steps; the checkpoint holds
+    the best-scoring state (its own head on the val centre crops scores what the history says at
+    that step), not the last one, and says where it stopped."""
+    import numpy as np
+    import torch
+
+    from evals.features import checkpoint_encoder
+
+    cfg = supervised_cfg(tiny_cache, tmp_path, "device=cpu", "precision=fp32", "data.workers=0", "batch_size=2")
+    stop = supervised.Stopping(every=2, patience=2)
+    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=30, progress=False, stop=stop)
+    st = checkpoint.load(path)
+    meta = st["supervised"]
+    hist = meta["val_history"]
+    assert [s for s, _ in hist] == list(range(2, meta["stopped_at"] + 1, 2))  # every 2 steps up to where it stopped
+    first_best = max(hist, key=lambda h: (h[1], -h[0]))
+    assert st["step"] == meta["best_step"] == first_best[0] and meta["best_val_balanced_accuracy"] == pytest.approx(first_best[1], abs=1e-4)
+    if meta["stopped_at"] < 30:  # stopped: the last `patience` scores past the warmup (3 steps) did not beat the best
+        assert all(s > 3 and v <= first_best[1] for s, v in hist[-stop.patience:])
+    enc, _, _ = checkpoint_encoder(path)
+    head = torch.nn.Linear(cfg.model.dim, 2)
+    head.load_state_dict(st["head"])
+    val = supervised.ValScore(cfg, "diabetic", 2)
+    assert val(enc, head, supervised.runtime.setup("cpu", "fp32")) == pytest.approx(first_best[1], abs=1e-4)
+    assert np.isfinite(first_best[1])
