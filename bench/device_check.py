@@ -11,7 +11,8 @@ network). In a few minutes from a bare machine it writes `device_check.json` and
   per step (torch.utils.flop_counter), MFU against the card's bf16 peak, peak memory; ViT-B at the
   largest batch `make plan` says fits (halved on an out-of-memory);
 - check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at batch
-  128; eager, eager with cuDNN attention allowed, compiled) and what its 3,700 steps take;
+  128; eager, eager at batch 256, compiled, eager with cuDNN attention allowed), each profiled, and
+  what the check's 3,700 x 128 samples take at it;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
 - loader: the production loader with the default workers at the production crop, volumes per second
@@ -183,12 +184,15 @@ for r in range(3):
         tr.update([batches[i % 3]], net)
     sync(); rounds.append((time.perf_counter() - t) / {steps})
 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if rt.kind == "cuda" else None
-prof = {{}}
+print(json.dumps({{"step_s": statistics.median(rounds), "rounds_s": rounds, "first_step_s": first,
+                  "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": fc.get_total_flops(),
+                  "peak_gib": peak, "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
+                  "compile": cfg.compile}}), flush=True)  # the timing is kept if the profiling below fails
 if {profile}:
-    from bench.device_check import profile_summary
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.kind == "cuda" else [])
     try:
+        from bench.device_check import profile_summary
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.kind == "cuda" else [])
         with profile(activities=acts) as p:
             for i in range({steps}):
                 tr.update([batches[i % 3]], net)
@@ -196,27 +200,41 @@ if {profile}:
         prof = profile_summary(p.key_averages(), {steps}, rt.kind == "cuda")
     except Exception as exc:
         prof = {{"profile_error": f"{{type(exc).__name__}}: {{exc}}"[:500]}}
-print(json.dumps({{"step_s": statistics.median(rounds), "rounds_s": rounds, "first_step_s": first,
-                  "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": fc.get_total_flops(),
-                  "peak_gib": peak, "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
-                  "compile": cfg.compile, **prof}}))
+    print(json.dumps(prof), flush=True)
 """
+
+WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")  # the host waiting, not working
 
 
 def profile_summary(events, steps: int, cuda: bool, top: int = 12) -> dict:
-    """Where a profiled step's time goes, per step: the device's kernel time summed (on CUDA; set
-    beside the unprofiled step time it says whether the GPU or the host sets the pace: a busy share
-    far below 1 means the host's dispatch and launches leave the GPU waiting), the host's op time,
-    op calls, and the ops that take the most device (CPU: host) time."""
-    def dev(e) -> float:  # microseconds; the attribute was renamed from cuda to device in torch 2.4
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+    """Where a profiled step's time goes, per step, from torch.profiler's key_averages. On CUDA: the
+    kernels' time summed as torch's own table sums it (device events only, not user annotations:
+    a CPU op's self device time repeats its kernels'), which beside the unprofiled step time says
+    whether the GPU or the host sets the pace (a busy share far below 1: the host's dispatch and
+    launches leave the GPU waiting), the kernel launches, and the kernels that take the most time.
+    Everywhere: the host's time in ops and runtime calls, less its waits for the device (an upper
+    bound on dispatch: a launch blocks when the queue is full), and the aten op calls. On the CPU
+    the top list ranks ops by host time."""
+    def kind(e) -> str:
+        return getattr(getattr(e, "device_type", None), "name", "CPU")
 
-    cost = dev if cuda else (lambda e: float(e.self_cpu_time_total))
-    ranked = sorted(events, key=cost, reverse=True)[:top]
-    return {"profile_device_ms_per_step": sum(dev(e) for e in events) / steps / 1e3 if cuda else None,
-            "profile_host_ms_per_step": sum(e.self_cpu_time_total for e in events) / steps / 1e3,
-            "profile_op_calls_per_step": sum(e.count for e in events) / steps,
-            "profile_top": [[e.key[:80], round(cost(e) / steps / 1e3, 3), round(e.count / steps, 1)] for e in ranked]}
+    def dev(e) -> float:  # microseconds; the attribute was renamed from cuda to device in torch 2.4
+        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    host = [e for e in events if kind(e) == "CPU" and not getattr(e, "is_user_annotation", False)]
+    kernels = [e for e in events if kind(e) == "CUDA" and not getattr(e, "is_user_annotation", False)]
+    ranked, cost = (kernels, dev) if cuda else (host, lambda e: float(e.self_cpu_time_total))
+    out = {"profile_host_ms_per_step": sum(e.self_cpu_time_total for e in host if e.key not in WAITS) / steps / 1e3,
+           "profile_op_calls_per_step": sum(e.count for e in host if e.key.startswith("aten::")) / steps,
+           "profile_top": [[e.key[:80], round(cost(e) / steps / 1e3, 3), round(e.count / steps, 1)]
+                           for e in sorted(ranked, key=cost, reverse=True)[:top]],
+           "profile_device_ms_per_step": None}
+    if cuda:
+        if not kernels or not sum(map(dev, kernels)):
+            return {"profile_error": "no CUDA kernel events in the profile (CUPTI unavailable?)"}
+        out.update(profile_device_ms_per_step=sum(map(dev, kernels)) / steps / 1e3,
+                   profile_kernels_per_step=sum(e.count for e in kernels) / steps)
+    return out
 
 
 def time_limit(ctx: dict) -> float:
@@ -225,11 +243,25 @@ def time_limit(ctx: dict) -> float:
 
 
 def run_json(code: str, timeout: float, env: dict | None = None) -> dict:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})})
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-4000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """Run `code` in a fresh Python and merge the JSON objects it prints, one per line. A process
+    that fails or runs out of time after printing one keeps what it printed, its error under
+    `late_error`; one that printed none raises with its stderr."""
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
+        out, err, failed = r.stdout, r.stderr, r.returncode != 0
+    except subprocess.TimeoutExpired as exc:
+        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out, err, failed = as_text(exc.stdout), as_text(exc.stderr) + f"\ntimed out after {timeout:.0f} s", True
+    merged: dict = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            merged.update(json.loads(line))
+    if failed and not merged:
+        raise RuntimeError(err[-4000:])
+    if failed:
+        merged["late_error"] = err[-1000:]
+    return merged
 
 
 def plan_batch(config_path: str, overrides: list[str], accel: str | None, cap: int) -> int:
@@ -330,26 +362,32 @@ def check_cache(ctx: dict) -> Path:
 
 
 def check_step(ctx: dict) -> dict:
-    """The GPU-size learning check's pretraining step at its batch, eager, then with time left
-    eager with cuDNN attention allowed (its first step against the default's: the lead for the
-    first H200 run's 97 s, train/attention.py) and compiled, with what its `max_steps` of them
-    take: the check's largest stage (issue 41's six minutes)."""
+    """The GPU-size learning check's pretraining step at its batch, eager, then with time left at
+    twice the batch (whether a step's cost is per dispatch or per sample: if the host sets the
+    pace, a sample costs about half as much), compiled, and eager with cuDNN attention allowed (its
+    first step against the default's: the lead for the first H200 run's 97 s, train/attention.py),
+    each with what the check's `max_steps` x `batch_size` samples take at that step: the check's
+    largest stage (issue 41's six minutes)."""
     from octfm import config
     from train import attention
     from train.config import TrainConfig
 
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
+    max_steps = config.load(TrainConfig, path).max_steps
     out = {}
     off, on = {attention.CUDNN_ENV: "0"}, {attention.CUDNN_ENV: "1"}
-    variants = {"eager": (False, off, 0), "eager_cudnn_attention": (False, on, 90),
-                "compiled": (True, off, 150)}  # seconds left each optional variant needs (inductor: a minute or so)
-    for name, (compiled, env, needs) in variants.items():
-        if needs and ctx["left"]() < (needs / 5 if s.dry else needs):  # the eager step always runs
+    # name: (compiled, environment, batch, seconds left it needs: 0 always runs; inductor takes a minute or so)
+    variants = {"eager": (False, off, batch, 0), "eager_double_batch": (False, off, 2 * batch, 60),
+                "compiled": (True, off, batch, 150), "eager_cudnn_attention": (False, on, batch, 90)}
+    for name, (compiled, env, b, needs) in variants.items():
+        if needs and ctx["left"]() < (needs / 5 if s.dry else needs):
             continue
-        out[name] = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=compiled,
-                              cache=check_cache(ctx), env=env, profile=True)
-        out[name]["pretrain_s"] = out[name]["step_s"] * config.load(TrainConfig, path).max_steps
+        r = step_size(ctx, f"check_{name}", path, over, crop, b, steps, compile_=compiled, cache=check_cache(ctx),
+                      env=env, profile=True)
+        r["steps_for_the_check"] = -(-max_steps * batch // r["batch"])  # the same samples as max_steps at `batch`
+        r["pretrain_s"] = r["step_s"] * r["steps_for_the_check"]
+        out[name] = r
         write_results(ctx, "check", out)
     return out
 
@@ -478,21 +516,25 @@ def step_table(steps: dict, title: str) -> list[str]:
 
 def profile_table(steps: dict, title: str) -> list[str]:
     """Where the profiled steps' time goes (profile_summary's records)."""
-    rows = {k: v for k, v in steps.items() if isinstance(v, dict) and ("profile_top" in v or "profile_error" in v)}
+    rows = {k: v for k, v in steps.items()
+            if isinstance(v, dict) and any(x in v for x in ("profile_top", "profile_error", "late_error"))}
     if not rows:
         return []
     md = [f"## {title}", ""]
     for k, v in rows.items():
-        if "profile_error" in v:
-            md += [f"{k}: not profiled ({v['profile_error']})", ""]
+        if "profile_top" not in v:
+            why = v.get("profile_error") or (v["late_error"].strip().splitlines() or ["?"])[-1][:300]
+            md += [f"{k}: not profiled ({why})", ""]
             continue
         busy = v.get("gpu_busy_frac")
         where = ("" if busy is None else
                  f"kernels {v['profile_device_ms_per_step']:.1f} ms per step against {1000 * v['step_s']:.1f} ms "
                  f"unprofiled: the GPU is busy {100 * busy:.0f}% of a step ({'the host sets the pace' if busy < 0.7 else 'the GPU sets the pace'}); ")
-        md += [f"{k}: {where}host op time {v['profile_host_ms_per_step']:.1f} ms per step, "
-               f"{v['profile_op_calls_per_step']:.0f} op calls per step.", "",
-               f"| op | {'device' if busy is not None else 'host'} ms per step | calls per step |", "|---|---|---|",
+        launches = f", {v['profile_kernels_per_step']:.0f} kernel launches" if "profile_kernels_per_step" in v else ""
+        md += [f"{k}: {where}host time in ops and runtime calls (its waits left out) {v['profile_host_ms_per_step']:.1f} ms "
+               f"per step, {v['profile_op_calls_per_step']:.0f} aten op calls{launches} per step.", "",
+               f"| {'kernel' if busy is not None else 'op'} | {'device' if busy is not None else 'host'} ms per step | "
+               "calls per step |", "|---|---|---|",
                *(f"| `{name}` | {ms:.2f} | {n:g} |" for name, ms, n in v["profile_top"]), ""]
     return md
 

@@ -299,8 +299,10 @@ def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
     if "supervised" not in first:
         return None
     p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
+    stopped = (", the supervised references stopped on val: decision 17"
+               if (result.get("supervised_stop") or {}).get("every") else "")
     return p >= s, (f"at {pct(first['fraction'])} of labels pretrained {p:.3f} vs supervised {s:.3f} "
-                    f"(target: pretrained >= supervised)")
+                    f"(target: pretrained >= supervised{stopped})")
 
 
 def verdict(result: dict) -> str:
@@ -484,9 +486,12 @@ def pct(fraction: float) -> str:
 
 def reference_training_line(training: dict) -> str:
     """How each supervised reference trained, from supervised_features' records."""
+    if not training:
+        return ""
+
     def one(frac: str, t: dict) -> str:
         if "stopped_at" not in t:
-            return f"{frac} of labels {t['steps']} steps"
+            return f"{frac} of labels {t['steps_trained']} steps"
         return (f"{frac} of labels best val {t['best_val_balanced_accuracy']:.3f} at step {t['best_step']}, "
                 f"stopped at {t['stopped_at']}")
     stop = next((t for t in training.values() if "val_every" in t), None)
@@ -500,8 +505,9 @@ def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> tuple[
     how it trained: its steps and, where it stopped on val (decision 17), the best step, where it
     stopped and the best val score."""
     st = checkpoint.load(ckpt)
+    meta = st["supervised"]
     keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")
-    how = {"steps": st["step"], **{k: st["supervised"][k] for k in keys if k in st["supervised"]}}
+    how = {"steps_trained": meta.get("stopped_at", st["step"]), **{k: meta[k] for k in keys if k in meta}}
     return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"], how
 
 
@@ -693,6 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
     ap.add_argument("--no-supervised", action="store_true",
                     help="skip the supervised reference (the same encoder trained on the labels)")
+    ap.add_argument("--supervised-full-budget", action="store_true",
+                    help="the supervised references train all max_steps at any size (the GPU size's stop on val, "
+                         "decision 17: this measures what the stopping costs them)")
     ap.add_argument("--finetune", action="store_true",
                     help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
                          f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
@@ -717,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = check(a.source, Path(a.work), Path(a.out), a.config or size.config, a.overrides, a.cue, a.seed, a.participants,
               a.bootstrap, a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
-              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds, supervised_stop=size.supervised_stop)
+              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
+              supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -147,7 +147,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     bar.close()
     meta = {"task": task, "lr": lr, "weight_decay": weight_decay}
     if val:
-        enc_state, head_state = best["state"]
+        enc_state, head_state = best["state"] or (to_cpu(enc.state_dict()), to_cpu(head.state_dict()))
         meta.update(val_every=stop.every, patience=stop.patience, best_step=best["step"], stopped_at=step,
                     best_val_balanced_accuracy=best["score"], val_history=best["history"])
     else:

@@ -39,7 +39,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     md = (out / "device_check.md").read_text()
     for line in ("MFU of the production (ViT-B) step", "octfm / vjepa2: not measured", "data wait with the default loader",
                  "CUDA tests: 0 passed", "GPU-size learning check's pretraining at the measured step: eager",
-                 "bf16): where a step's time goes (torch.profiler)", "eager: host op time"):
+                 "bf16): where a step's time goes (torch.profiler)", "eager: host time in ops and runtime calls"):
         assert line in md, md
     assert not (out / "work").exists()
 
@@ -50,3 +50,47 @@ def test_without_a_gpu_the_real_check_refuses_and_says_why(tmp_path):
     assert r.returncode == 2 and "no CUDA device here" in r.stderr
     r = subprocess.run(["make", "-s", "device-check"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "set OUT=" in r.stderr
+
+
+def _event(key, device, self_cpu=0.0, self_device=0.0, count=1, annotation=False):
+    """A stand-in for one row of torch.profiler's key_averages (the fields profile_summary reads)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(key=key, device_type=getattr(DeviceType, device), self_cpu_time_total=self_cpu,
+                           self_device_time_total=self_device, count=count, is_user_annotation=annotation)
+
+
+def test_the_profile_counts_each_kernel_once_and_leaves_the_host_waits_out():
+    """A CPU op's self device time repeats its kernels' (torch sums device rows only): two steps of
+    an op launching a 10 us kernel are 10 us of device time per step, not 20; a GPU annotation and
+    the host's synchronize are neither work nor device time."""
+    from bench.device_check import profile_summary
+
+    events = [_event("aten::mm", "CPU", self_cpu=8.0, self_device=20.0, count=2),
+              _event("cudaLaunchKernel", "CPU", self_cpu=6.0, count=2),
+              _event("cudaDeviceSynchronize", "CPU", self_cpu=500.0, count=1),
+              _event("Optimizer.step#AdamW.step", "CPU", self_cpu=4.0, count=2, annotation=True),
+              _event("sm90_gemm_bf16", "CUDA", self_device=20.0, count=2),
+              _event("Optimizer.step#AdamW.step", "CUDA", self_device=30.0, count=2, annotation=True)]
+    got = profile_summary(events, steps=2, cuda=True)
+    assert got["profile_device_ms_per_step"] == pytest.approx(0.010) and got["profile_kernels_per_step"] == 1
+    assert got["profile_host_ms_per_step"] == pytest.approx(0.007)    # mm and the launches, not the wait
+    assert got["profile_op_calls_per_step"] == 1 and [r[0] for r in got["profile_top"]] == ["sm90_gemm_bf16"]
+    assert "profile_error" in profile_summary(events[:4], steps=2, cuda=True)   # no kernel rows: said, not 0% busy
+    cpu = profile_summary(events[:2], steps=2, cuda=False)
+    assert cpu["profile_device_ms_per_step"] is None and cpu["profile_top"][0][0] == "aten::mm"
+
+
+def test_a_step_process_that_dies_after_its_timing_keeps_the_timing():
+    """The step's timing is printed before its profile: a crash in the profiler (CUPTI) keeps the
+    measured step, with the error beside it; a process that printed nothing raises with its stderr."""
+    from bench.device_check import run_json
+
+    code = "import json, sys; print(json.dumps({'step_s': 0.1}), flush=True); sys.exit('profiler died')"
+    assert run_json(code, timeout=60) == {"step_s": 0.1, "late_error": "profiler died\n"}
+    merged = run_json("import json; print(json.dumps({'a': 1})); print('noise'); print(json.dumps({'b': 2}))", 60)
+    assert merged == {"a": 1, "b": 2}
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        run_json("raise RuntimeError('CUDA out of memory')", timeout=60)

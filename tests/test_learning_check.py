@@ -52,7 +52,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         assert abs(d["difference"] - (p["pretrained"]["balanced_accuracy"] - p["supervised"]["balanced_accuracy"])) < 1e-9
     assert res["training"]["steps"] == 4
     assert res["supervised_stop"] == {"every": 0, "patience": 0}          # the CPU size: references train max_steps
-    assert res["supervised_training"] == {f: {"steps": 4} for f in ("100%", "25%", "10%")}
+    assert res["supervised_training"] == {f: {"steps_trained": 4} for f in ("100%", "25%", "10%")}
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
@@ -279,8 +279,9 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
                                   *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
     # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
     assert res["supervised_stop"] == {"every": 50, "patience": 4}
-    assert all(t["steps"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
+    assert all(t["steps_trained"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
                for t in res["supervised_training"].values()) and len(res["supervised_training"]) == 3
+    assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
     assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
         (tmp_path / "out" / "lesions" / "result.md").read_text()
     # the headline rows were written as soon as the features existed (a lent GPU's run cut short keeps
@@ -291,3 +292,23 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert early["verdict"].startswith("INTERIM") and early["verdict"] in printed
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
     assert res["verdict"] in printed
+
+
+def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeypatch):
+    """`--size gpu` hands its references decision 17's stopping, `--size cpu` none, and
+    `--supervised-full-budget` trains them all max_steps at any size (to measure the stopping)."""
+    from evals import supervised
+
+    seen = []
+
+    def fake_check(*args, **kwargs):
+        seen.append((args[3], kwargs["supervised_stop"]))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learning_check, "check", fake_check)
+    for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"]):
+        with pytest.raises(SystemExit):
+            learning_check.main(argv)
+    assert seen == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4)),
+                    ("configs/pretrain_check.yaml", supervised.Stopping()),
+                    ("configs/pretrain_check_gpu.yaml", supervised.Stopping())]
