@@ -145,6 +145,9 @@ def test_the_reference_trains_on_the_gpu_in_bf16(tiny_cache, tmp_path, monkeypat
 
     monkeypatch.setattr(torch.nn.Linear, "forward", spy)
     cfg = supervised_cfg(tiny_cache, tmp_path, "device=cuda", "precision=bf16")
-    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False)
+    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False,
+                            stop=supervised.Stopping(every=1, patience=1))  # the GPU size's val scores, on the GPU
     assert seen and all(d == "cuda" for d, _ in seen) and ("cuda", torch.bfloat16) in seen
-    assert all(v.device.type == "cpu" for v in checkpoint.load(path)["target"].values())
+    st = checkpoint.load(path)
+    assert all(v.device.type == "cpu" for v in st["target"].values())
+    assert [s for s, _ in st["supervised"]["val_history"]] == [1, 2]  # scored on the GPU at each step
