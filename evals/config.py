@@ -21,6 +21,7 @@ class ProbeConfig:
     epochs: int = 60
     batch_size: int = 32
     class_weight: bool = True
+    standardize: bool = True           # each feature channel scaled by the training rows' statistics (decision 21)
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
     extract_batch: int = 4
     device: str = "cpu"

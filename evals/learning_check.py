@@ -88,6 +88,8 @@ TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train v
                 "one's included; only the probes hold it out")
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
 BINARY, MULTI = "diabetic", "study_group"
+STANDARDIZED = {True: "The heads read each feature channel standardised by the training rows' statistics (decision 21).",
+                False: "The heads read the features as they are, each token normalised (the protocol before decision 21)."}
 
 
 class Stages:
@@ -339,7 +341,8 @@ def markdown(result: dict) -> str:
              f"Cue: {result['what']}. Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` "
              f"(step {result['step']}; objective: {result.get('objective', 'not recorded')}). "
              f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); a difference "
-             f"is paired (both encoders scored on each resample){held_out}.", ""]
+             f"is paired (both encoders scored on each resample){held_out}. "
+             f"{STANDARDIZED[result.get('probe_standardize', False)]}", ""]
     for task, t in result["tasks"].items():
         lines += [f"## {task} ({t['classes']} classes; test: {t['test_rows']} volumes, {t['test_participants']} "
                   f"participants; majority class {t['majority_class']:.3f})", "",
@@ -595,7 +598,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "source": source, "cohort_seed": seed if generated else None,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
-             "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"]}
+             "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
+             "probe_standardize": pcfg.standardize}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
     sup, sup_training = {}, {}

@@ -93,15 +93,36 @@ def class_weights(y, classes: int) -> torch.Tensor:
     return torch.tensor(np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / classes, 0.0), dtype=torch.float32)
 
 
+class ChannelScaler:
+    """Each feature channel to zero mean and unit variance, by the statistics of the rows a head
+    trains on (for the tokens, over every token of those rows). Self-supervised features are
+    anisotropic even after the heads' per-token norm: a few directions hold most of the variance,
+    and an attentive head's queries then read little else (docs/learning-check.md, decisions 20-21;
+    MAE probes through a per-channel BatchNorm for the same reason). `on` False: the identity."""
+
+    def __init__(self, x: np.ndarray, on: bool = True):
+        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        self.mean = flat.mean(0).astype(np.float32) if on else np.float32(0.0)
+        self.std = (flat.std(0) + 1e-6).astype(np.float32) if on else np.float32(1.0)
+
+    def __call__(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy((x.astype(np.float32) - self.mean) / self.std)
+
+
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
-                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True):
-    """Train one head per (lr, wd) on the training features; returns a predict function."""
+                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True,
+                standardize: bool = False):
+    """Train one head per (lr, wd) on the training features; returns a predict function. With
+    `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
+    training and in prediction alike."""
     torch.manual_seed(seed)
     heads = make_heads(kind, len(grid), pooled.shape[1], classes)
     opt = _HeadAdamW(heads, grid)
     weight = class_weights(y, classes) if class_weight else None
-    P = torch.from_numpy(pooled).float()
-    T = torch.from_numpy(tokens).float() if tokens is not None else None
+    scale_p = ChannelScaler(pooled, standardize)
+    scale_t = ChannelScaler(tokens, standardize) if tokens is not None else None
+    P = scale_p(pooled)
+    T = scale_t(tokens) if tokens is not None else None
     Y = torch.from_numpy(y).long()
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
@@ -120,8 +141,8 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
         heads.eval()
         out = []
         for i in range(0, len(pooled_x), 256):
-            p = torch.from_numpy(pooled_x[i:i + 256]).float()
-            t = torch.from_numpy(tokens_x[i:i + 256]).float() if tokens_x is not None else None
+            p = scale_p(pooled_x[i:i + 256])
+            t = scale_t(tokens_x[i:i + 256]) if tokens_x is not None else None
             out.append(torch.softmax(heads(p, t), dim=-1).numpy())
         return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
 

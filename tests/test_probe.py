@@ -162,3 +162,29 @@ def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(ki
         predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], t[tr], labels[tr], 2, 30, 32, 0)
         acc = pm.balanced_accuracy(labels[te], predict(pooled[te], t[te])[0].argmax(1), 2)
         assert lo <= acc <= hi, (kind, acc)
+
+
+def test_standardised_heads_read_a_channel_whatever_its_scale():
+    """Decision 21: with `standardize` every channel is scaled by the training rows' statistics, so a
+    head's predictions do not change when one channel is multiplied by 1,000 and another shifted;
+    without it they do (the heads' per-token LayerNorm alone is not per-channel)."""
+    from evals import probe_heads
+
+    rng = np.random.default_rng(0)
+    n, k, d = 64, 6, 8
+    tokens = rng.normal(size=(n, k, d)).astype(np.float32)
+    labels = (tokens[:, :, 0].max(1) > 1.0).astype(np.int64)
+    pooled = tokens.max(1)
+    warped_t = tokens.copy()
+    warped_t[..., 1] *= 1000.0
+    warped_t[..., 2] += 50.0
+    warped_p = warped_t.max(1)
+    for kind in ("linear", "attentive"):
+        out = {}
+        for on in (True, False):
+            for name, (p, t) in {"plain": (pooled, tokens), "warped": (warped_p, warped_t)}.items():
+                predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], p[:48], t[:48], labels[:48], 2, 5, 16, 0,
+                                                  standardize=on)
+                out[on, name] = predict(p[48:], t[48:])
+        assert np.allclose(out[True, "plain"], out[True, "warped"], atol=1e-4), kind
+        assert not np.allclose(out[False, "plain"], out[False, "warped"], atol=1e-2), kind
