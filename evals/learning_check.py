@@ -89,7 +89,8 @@ TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train v
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
 BINARY, MULTI = "diabetic", "study_group"
 STANDARDIZED = {True: "The heads read each feature channel standardised by the training rows' statistics (decision 21).",
-                False: "The heads read the features as they are, each token normalised (the protocol before decision 21)."}
+                False: "The heads read the features as they are, each token (the linear head: the pooled vector) "
+                       "normalised on its own (the protocol before decision 21)."}
 
 
 class Stages:

@@ -82,7 +82,8 @@ def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=
     va = (split == "val") if val_mask is None else val_mask
     tokens = feats["tokens"].astype(np.float32) if probe_heads.reads_tokens(kind) else None
     predict = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
-                          classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight, cfg.standardize)
+                          classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight,
+                          standardize=cfg.standardize)
     probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
     scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
               for h in range(len(grid))]
@@ -109,7 +110,8 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     test = split == "test"
     result: dict = {"task": task, "classes": spec["names"], "counts": {s: np.bincount(y[split == s], minlength=k).tolist()
                                                                         for s in ("train", "val", "test")},
-                    "probes": [], "per_device": {}, "cross_device": None}
+                    "probes": [], "per_device": {}, "cross_device": None,
+                    "standardize": cfg.standardize}  # channels scaled by the training rows' statistics (decision 21)
     best = None  # (val rank, head, probabilities) of the pretrained encoder's head chosen on val: the plots
     for enc_name, feats in feats_by_encoder.items():
         for kind in cfg.heads:

@@ -98,38 +98,54 @@ class ChannelScaler:
     trains on (for the tokens, over every token of those rows). Self-supervised features are
     anisotropic even after the heads' per-token norm: a few directions hold most of the variance,
     and an attentive head's queries then read little else (docs/learning-check.md, decisions 20-21;
-    MAE probes through a per-channel BatchNorm for the same reason). `on` False: the identity."""
+    MAE probes through a per-channel BatchNorm for the same reason). A channel constant on those
+    rows is left unscaled (it would otherwise be multiplied by a million wherever it moves).
+    `on` False: the identity, with no statistics computed."""
+
+    CHUNK = 256  # rows per pass: float64 statistics without a float64 copy of every token
 
     def __init__(self, x: np.ndarray, on: bool = True):
-        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
-        self.mean = flat.mean(0).astype(np.float32) if on else np.float32(0.0)
-        self.std = (flat.std(0) + 1e-6).astype(np.float32) if on else np.float32(1.0)
+        self.on = on
+        if not on:
+            return
+        d, n = x.shape[-1], max(1, math.prod(x.shape[:-1]))
+        total = np.zeros(d)
+        for i in range(0, len(x), self.CHUNK):
+            total += x[i:i + self.CHUNK].reshape(-1, d).sum(0, dtype=np.float64)
+        mean = total / n
+        sq = np.zeros(d)
+        for i in range(0, len(x), self.CHUNK):
+            sq += np.square(x[i:i + self.CHUNK].reshape(-1, d).astype(np.float64) - mean).sum(0)
+        std = np.sqrt(sq / n)
+        self.mean = torch.from_numpy(mean.astype(np.float32))
+        self.std = torch.from_numpy(np.where(std > 1e-6, std + 1e-6, 1.0).astype(np.float32))
 
-    def __call__(self, x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy((x.astype(np.float32) - self.mean) / self.std)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [..., d], scaled where `on`."""
+        return (x - self.mean) / self.std if self.on else x
 
 
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
-                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True,
-                standardize: bool = False):
+                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True, *,
+                standardize: bool):
     """Train one head per (lr, wd) on the training features; returns a predict function. With
     `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
-    training and in prediction alike."""
+    training and in prediction alike, one batch at a time."""
     torch.manual_seed(seed)
     heads = make_heads(kind, len(grid), pooled.shape[1], classes)
     opt = _HeadAdamW(heads, grid)
     weight = class_weights(y, classes) if class_weight else None
     scale_p = ChannelScaler(pooled, standardize)
     scale_t = ChannelScaler(tokens, standardize) if tokens is not None else None
-    P = scale_p(pooled)
-    T = scale_t(tokens) if tokens is not None else None
+    P = torch.from_numpy(pooled).float()
+    T = torch.from_numpy(tokens).float() if tokens is not None else None
     Y = torch.from_numpy(y).long()
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         perm = torch.randperm(len(Y), generator=g)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]
-            logits = heads(P[idx], T[idx] if T is not None else None)           # [b, H, C]
+            logits = heads(scale_p(P[idx]), scale_t(T[idx]) if T is not None else None)   # [b, H, C]
             loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(len(grid)),
                                    weight=weight, reduction="mean") * len(grid)
             opt.zero_grad()
@@ -141,8 +157,8 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
         heads.eval()
         out = []
         for i in range(0, len(pooled_x), 256):
-            p = scale_p(pooled_x[i:i + 256])
-            t = scale_t(tokens_x[i:i + 256]) if tokens_x is not None else None
+            p = scale_p(torch.from_numpy(pooled_x[i:i + 256]).float())
+            t = scale_t(torch.from_numpy(tokens_x[i:i + 256]).float()) if tokens_x is not None else None
             out.append(torch.softmax(heads(p, t), dim=-1).numpy())
         return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
 

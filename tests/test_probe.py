@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
 from conftest import run_cli, tiny_train_args, train_here
@@ -159,7 +160,8 @@ def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(ki
     pooled = t.mean(1)
     tr, te = np.arange(n) < 200, np.arange(n) >= 200
     for labels, lo, hi in ((y, 0.9, 1.0), (rng.permutation(y), 0.0, 0.65)):
-        predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], t[tr], labels[tr], 2, 30, 32, 0)
+        predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], t[tr], labels[tr], 2, 30, 32, 0,
+                                          standardize=True)  # as the probes ship (decision 21)
         acc = pm.balanced_accuracy(labels[te], predict(pooled[te], t[te])[0].argmax(1), 2)
         assert lo <= acc <= hi, (kind, acc)
 
@@ -188,3 +190,50 @@ def test_standardised_heads_read_a_channel_whatever_its_scale():
                 out[on, name] = predict(p[48:], t[48:])
         assert np.allclose(out[True, "plain"], out[True, "warped"], atol=1e-4), kind
         assert not np.allclose(out[False, "plain"], out[False, "warped"], atol=1e-2), kind
+
+
+def test_standardising_is_the_training_rows_statistics_applied_to_every_row(monkeypatch):
+    """A standardised head is the unstandardised head on features scaled by the mean and standard
+    deviation of the rows it trains on (not of the rows it predicts), and the probe config's
+    `standardize` is what reaches it."""
+    from evals import probe_heads
+    from evals.config import ProbeConfig
+
+    rng = np.random.default_rng(1)
+    tokens = (rng.normal(size=(80, 6, 8)) * rng.uniform(0.1, 30, 8) + rng.normal(0, 20, 8)).astype(np.float16)
+    pooled = tokens.astype(np.float32).max(1)
+    labels = rng.integers(0, 2, 80)
+    tr, te = slice(0, 60), slice(60, 80)
+    t32 = tokens.astype(np.float64)
+    mu_t, sd_t = t32[tr].reshape(-1, 8).mean(0), t32[tr].reshape(-1, 8).std(0) + 1e-6
+    mu_p, sd_p = pooled[tr].astype(np.float64).mean(0), pooled[tr].astype(np.float64).std(0) + 1e-6
+    by_hand_t = ((t32 - mu_t) / sd_t).astype(np.float32)
+    by_hand_p = ((pooled - mu_p) / sd_p).astype(np.float32)
+    for kind in ("linear", "attentive", "mil"):
+        on = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], tokens[tr], labels[tr], 2, 3, 16, 0,
+                                     standardize=True)
+        off = probe_heads.train_heads(kind, [(1e-2, 0.0)], by_hand_p[tr], by_hand_t[tr], labels[tr], 2, 3, 16, 0,
+                                      standardize=False)
+        assert np.allclose(on(pooled[te], tokens[te]), off(by_hand_p[te], by_hand_t[te]), atol=1e-4), kind
+    seen = []
+    real = probe_heads.train_heads
+    monkeypatch.setattr(probe, "train_heads", lambda *a, **k: seen.append(k["standardize"]) or real(*a, **k))
+    split = np.array(["train"] * 60 + ["val"] * 20)
+    for flag in (True, False):
+        probe.fit_and_select("linear", ProbeConfig(lrs=[1e-2], weight_decays=[0.0], epochs=1, standardize=flag),
+                             {"pooled": pooled, "tokens": tokens}, labels, split, 2)
+    assert seen == [True, False]
+
+
+def test_a_channel_constant_in_training_is_left_unscaled():
+    """A channel with no spread on the training rows keeps its scale (its deviations elsewhere are
+    not multiplied by a million)."""
+    from evals import probe_heads
+
+    x = np.ones((10, 3), np.float32)
+    x[:, 1] = np.arange(10)
+    scaler = probe_heads.ChannelScaler(x)
+    assert scaler.std[0] == 1.0 and scaler.std[2] == 1.0 and scaler.std[1] > 2
+    moved = torch.tensor([[3.0, 4.5, 1.0]])
+    assert float(scaler(moved)[0, 0]) == 2.0 and float(scaler(moved)[0, 2]) == 0.0
+    assert probe_heads.ChannelScaler(x, on=False)(moved) is moved
