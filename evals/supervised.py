@@ -147,11 +147,9 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     bar.close()
     meta = {"task": task, "lr": lr, "weight_decay": weight_decay}
     if val:
-        enc_state, head_state = best["state"] or (to_cpu(enc.state_dict()), to_cpu(head.state_dict()))
         meta.update(val_every=stop.every, patience=stop.patience, best_step=best["step"], stopped_at=step,
                     best_val_balanced_accuracy=best["score"], val_history=best["history"])
-    else:
-        enc_state, head_state = to_cpu(enc.state_dict()), to_cpu(head.state_dict())
+    enc_state, head_state = best["state"] or (to_cpu(enc.state_dict()), to_cpu(head.state_dict()))  # none kept: the last
     state = {"config": config.to_dict(cfg), "target": enc_state, "head": head_state, "step": best["step"],
              "supervised": meta}
     return checkpoint.save(state, ckpt_dir, best["step"])

@@ -62,10 +62,8 @@ def test_the_stopping_rule_keeps_the_best_state_and_counts_only_past_the_warmup(
 def test_a_reference_that_stops_on_val_saves_its_best_val_state(tiny_cache, tmp_path, monkeypatch):
     """With `Stopping` the reference is scored on val every few steps and the checkpoint holds the
     best-scoring state, not the last one. The scores are scripted (a tiny val split ties too often to
-    tell states apart); the real scorer, on the saved encoder and head, is checked against itself."""
+    tell states apart); the real scorer runs in the GPU-size dry run (tests/test_learning_check.py)."""
     import torch
-
-    from evals.features import checkpoint_encoder
 
     script = iter([0.5, 0.9, 0.6, 0.6, 0.95])  # steps 2, 4, 6, 8: the best at 4, two stale past the warmup
     seen = {}
@@ -86,9 +84,3 @@ def test_a_reference_that_stops_on_val_saves_its_best_val_state(tiny_cache, tmp_
     best, last = seen[0.9], seen[0.6]  # the states at steps 4 and 8
     assert all(torch.equal(st["target"][k], best[k]) for k in best)
     assert not all(torch.equal(st["target"][k], last[k]) for k in last)
-    monkeypatch.undo()
-    enc, _, _ = checkpoint_encoder(path)  # the real scorer reads the saved encoder and head
-    head = torch.nn.Linear(cfg.model.dim, 2)
-    head.load_state_dict(st["head"])
-    score = supervised.ValScore(cfg, "diabetic", 2)(enc, head, supervised.runtime.setup("cpu", "fp32"))
-    assert 0.0 <= score <= 1.0 and len(supervised.ValScore(cfg, "diabetic", 2).y) >= 2
