@@ -512,7 +512,8 @@ def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> tuple[
     meta = st["supervised"]
     keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")
     how = {"steps_trained": meta.get("stopped_at", st["step"]), **{k: meta[k] for k in keys if k in meta}}
-    return probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir)["feats"]["pretrained"], how
+    feats = probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir, state=st)
+    return feats["feats"]["pretrained"], how
 
 
 def frozen_probe(fitted: dict) -> np.ndarray:

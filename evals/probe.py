@@ -223,11 +223,12 @@ def check_tasks(cfg: ProbeConfig) -> None:
         raise cli.UsageError(f"heads: unknown head kind {unknown[0]!r} (known: {', '.join(probe_heads.HEADS)})")
 
 
-def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None) -> dict:
+def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, state: dict | None = None) -> dict:
     """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of a
-    random-init one of the same architecture, extracted once and kept under <probe_dir>/features."""
+    random-init one of the same architecture, extracted once and kept under <probe_dir>/features.
+    `state`: the checkpoint already loaded by a caller that reads more of it (loaded once)."""
     check_tasks(cfg)
-    enc, tcfg, ident = features.checkpoint_encoder(ckpt)
+    enc, tcfg, ident = features.checkpoint_encoder(ckpt, state=state)
     cache = cfg.cache or tcfg.data.cache
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
