@@ -285,6 +285,40 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))
 
 
+def test_context_term_regresses_the_predictor_at_the_context_tokens():
+    """loss.context: the predictor's outputs at the context positions are regressed (L1) on the
+    target features there, on top of the latent loss at the targets; padding slots do not count,
+    the term reaches the encoder through the predictor, and weight 0 is the loss as before."""
+    import torch
+
+    from train.config import LossConfig, ModelConfig
+    from train.model import JEPA, gather_tokens, objective
+
+    cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
+    torch.manual_seed(0)
+    plain, dense = JEPA(cfg, (8, 32, 64)), JEPA(cfg, (8, 32, 64), LossConfig(context=0.5))
+    dense.load_state_dict(plain.state_dict())  # the term adds no parameter
+    x, targets = torch.randn(1, 1, 8, 32, 64), torch.randn(1, 16, 16)
+    ctx, tgt = torch.tensor([[0, 3, 14, 15]]), torch.tensor([[1, 2]])
+    valid = torch.tensor([[True, True, True, False]])
+    for v, n in ((None, 4), (valid, 3)):
+        with torch.no_grad():
+            h = plain.encoder(x, ctx, v)
+            out = plain.predictor(h, ctx, tgt, v, with_context=True)
+            assert torch.allclose(out[:, 4:], plain.predictor(h, ctx, tgt, v), atol=1e-6)  # the target rows as before
+            latent = (out[:, 4:] - gather_tokens(targets, tgt)).abs().mean()
+            term = (out[:, :4] - gather_tokens(targets, ctx)).abs().mean(-1)[:, :n].mean()
+            assert torch.allclose(plain(x, [(ctx, tgt, v)], targets), latent, atol=1e-6)
+            assert torch.allclose(dense(x, [(ctx, tgt, v)], targets), latent + 0.5 * term, atol=1e-6)
+    # the term alone trains the encoder (the latent loss at the targets off)
+    alone = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, context=1.0))
+    alone(x, [(ctx, tgt, None)], targets).backward()
+    assert alone.encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert objective(LossConfig(context=0.5, local=1.0)) == (
+        "V-JEPA latent prediction + latent term at the context tokens + local intensity term "
+        "(tubelet max/min cells), weights 1 / 0.5 / 1")
+
+
 def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cache, tmp_path):
     """The SPMD input sharding is read off a dataset item, so mask.context=padded's validity
     tensors are in it (a hand-kept key list missed them: issue 26, defect 8)."""

@@ -99,6 +99,11 @@ class LossConfig:
     # (docs/learning-check.md, decision 6). 0: off, and the model has no such head.
     local: float = 0.0
     local_cell: tuple[int, int, int] = (2, 4, 4)
+    # Weight of the latent term at the context tokens (after V-JEPA 2.1's dense loss on visible
+    # tokens): the predictor's outputs at the context positions are also regressed (L1) on the
+    # target encoder's features there, so every visible token, not only the masked ones, is asked
+    # to carry what the target sees at its own place (docs/learning-check.md, decision 25). 0: off.
+    context: float = 0.0
 
 
 @dataclasses.dataclass

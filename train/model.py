@@ -219,7 +219,9 @@ class Predictor(nn.Module):
         nn.init.trunc_normal_(self.mask_token, std=0.02)
 
     def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor,
-                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_valid: torch.Tensor | None = None, with_context: bool = False) -> torch.Tensor:
+        """Predictions at the target positions; with `with_context`, at the context positions
+        first and then the targets (one sequence: the context term costs only its output rows)."""
         b = ctx.shape[0]
         c = self.embed(ctx) + gather_rows(self.pos, ctx_idx)
         m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_rows(self.pos, tgt_idx)
@@ -227,7 +229,7 @@ class Predictor(nn.Module):
         keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:
             x = blk(x, keep)
-        return self.out(self.norm(x[:, c.shape[1]:]))
+        return self.out(self.norm(x if with_context else x[:, c.shape[1]:]))
 
 
 def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
@@ -254,19 +256,25 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
 
 def objective(loss: LossConfig) -> str:
     """The pretraining objective in words, for run summaries, exported config.json and model
-    cards: a run with the local term is not plain V-JEPA and must not be called so."""
-    latent, local = "V-JEPA latent prediction", "local intensity term (tubelet max/min cells)"
-    if loss.local <= 0:
-        return latent if loss.latent == 1 else f"{latent}, weight {loss.latent:g}"
+    cards: a run with the local or the context term is not plain V-JEPA and must not be called so."""
+    names = {"latent": "V-JEPA latent prediction", "context": "latent term at the context tokens",
+             "local": "local intensity term (tubelet max/min cells)"}
+    on = [(names[k], w) for k, w in (("latent", loss.latent), ("context", loss.context), ("local", loss.local)) if w > 0]
+    if not on:
+        return "no loss term (every weight 0)"
+    text = " + ".join(n for n, _ in on)
     if loss.latent <= 0:
-        return f"{local} only (no latent prediction), weight {loss.local:g}"
-    return f"{latent} + {local}, weights {loss.latent:g} / {loss.local:g}"
+        text += " only (no latent prediction)" if len(on) == 1 else " (no prediction at masked tokens)"
+    if len(on) == 1 and loss.latent == 1:
+        return text
+    return f"{text}, weight{'s' if len(on) > 1 else ''} " + " / ".join(f"{w:g}" for _, w in on)
 
 
 class JEPA(nn.Module):
     """The trained student: context encoder + predictor. The loss for each mask set is
     `loss.latent` x the L1 between predictions and the target encoder's layer-normed features
-    at the target tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
+    at the target tokens, plus (with `loss.context` > 0) `loss.context` x the same L1 at the
+    context tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
     reading each context token's own tubelet cells (`local_cells`) from its output."""
 
     def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
@@ -288,15 +296,26 @@ class JEPA(nn.Module):
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:
             ctx = self.encoder.transform(tokens, ctx_idx, ctx_valid)
-            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
+            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid, with_context=self.loss.context > 0)
+            pred_ctx, pred = pred[:, :-tgt_idx.shape[1]], pred[:, -tgt_idx.shape[1]:]
             tgt = gather_tokens(targets, tgt_idx)
             loss = self.loss.latent * (pred.float() - tgt.float()).abs().mean()
+            if self.loss.context > 0:
+                err = (pred_ctx.float() - gather_tokens(targets, ctx_idx).float()).abs().mean(-1)  # [B, Kc]
+                loss = loss + self.loss.context * context_mean(err, ctx_valid)
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
-                w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # padding slots do not count
-                loss = loss + self.loss.local * (err * w).sum() / w.sum().clamp_min(1.0)
+                loss = loss + self.loss.local * context_mean(err, ctx_valid)
             losses.append(loss)
         return torch.stack(losses).mean()
+
+
+def context_mean(err: torch.Tensor, ctx_valid: torch.Tensor | None) -> torch.Tensor:
+    """The mean of a per-context-token error [B, Kc] over the valid slots (padding does not count)."""
+    if ctx_valid is None:
+        return err.mean()
+    w = ctx_valid.float()
+    return (err * w).sum() / w.sum().clamp_min(1.0)
 
 
 @torch.no_grad()

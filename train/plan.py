@@ -58,6 +58,7 @@ class Shapes:
     targets: tuple[int, ...]         # target tokens per mask set
     stem: tuple[int, ...]
     local_cells: int                 # the local head's outputs per token (0: no local term)
+    context_term: bool               # loss.context > 0: the predictor also outputs at the context tokens
     dim: int
     depth: int
     heads: int
@@ -75,7 +76,7 @@ def shapes(cfg: TrainConfig) -> Shapes:
     sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
     local = 2 * math.prod(cells_per_tubelet(m.tubelet, cfg.loss.local_cell)) if cfg.loss.local > 0 else 0
     return Shapes(math.prod(cfg.data.input_shape), grid.tokens, tuple(s.context_cells * grid.depth for s in sizes),
-                  tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, m.dim, m.depth, m.heads,
+                  tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, cfg.loss.context > 0, m.dim, m.depth, m.heads,
                   m.mlp_ratio, m.pred_dim, m.pred_depth, m.pred_heads)
 
 
@@ -144,6 +145,8 @@ def sequence_saved(shp: Shapes, act: int, kernel: str) -> dict[str, int]:
         pred += c * shp.dim * act                            # the embedding's input
         pred += t * (4 * shp.pred_dim + 8 + shp.pred_dim * act)  # the final norm's input, the output linear's
         pred += t * shp.dim * 4                              # the L1's difference (float32)
+        if shp.context_term:                                 # the same output rows and L1 at the context
+            pred += c * (4 * shp.pred_dim + 8 + shp.pred_dim * act + shp.dim * 4)
     local = sum(n * (shp.dim * act + shp.local_cells * 4) for n in shp.context) if shp.local_cells else 0
     return {"stem": stem_saved(shp, act), "encoder": enc, "predictor": pred, "local_head": local}
 
