@@ -139,15 +139,14 @@ def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0)
     for split, n in (("train", cap), ("val", None)):
         rows = supervised.task_rows(cfg, split)[:n]
         y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
-        pred, start = [], 0
-        with torch.no_grad():
-            for x, k in encoder.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8):
-                if plant:  # seeds apart from the training crops' (epoch, index) keys
-                    x = torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
-                                     for j, v in enumerate(x)])
-                pred.append(head(enc.pool(encoder.tokens(enc, x))).argmax(1)[:k].numpy())
-                start += k
-        out[split] = float(balanced_accuracy_score(y, np.concatenate(pred)))
+
+        def planted(x, start):  # seeds apart from the training crops' (epoch, index) keys
+            return torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
+                                for j, v in enumerate(x)])
+
+        batches = encoder.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8)
+        pred = supervised.own_head_predictions(enc, head, batches, change=planted if plant else None)
+        out[split] = float(balanced_accuracy_score(y, pred))
     return out
 
 

@@ -9,6 +9,7 @@ a competitor: it sees the labels that pretraining never does.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -55,16 +56,28 @@ class ValScore:
         d = cfg.data
         self.batches = list(encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, batch))
 
-    @torch.no_grad()
     def __call__(self, enc: Encoder, head: nn.Module, rt: runtime.Runtime) -> float:
-        enc.eval()
-        pred = []
-        for x, n in self.batches:
-            with rt.autocast():
-                logits = head(enc.pool(enc(data.normalize(x.to(rt.device)))))
-            pred.append(logits.float().argmax(1)[:n].cpu().numpy())
-        enc.train()
-        return balanced_accuracy(self.y, np.concatenate(pred), self.classes)
+        return balanced_accuracy(self.y, own_head_predictions(enc, head, self.batches, rt), self.classes)
+
+
+@torch.no_grad()
+def own_head_predictions(enc: Encoder, head: nn.Module, batches, rt: runtime.Runtime | None = None,
+                         change=None) -> np.ndarray:
+    """The reference's own head's classes for `batches` (encoder.volume_batches: uint8 crops and
+    the count of real rows), on `rt`'s device and precision (None: where the modules are, fp32);
+    `change(x, start)` edits each batch first, `start` its first row's index (the cohort screen
+    plants its cue with it). The encoder is scored in eval mode and left as it was."""
+    was_training, pred, start = enc.training, [], 0
+    enc.eval()
+    for x, n in batches:
+        x = x if change is None else change(x, start)
+        x = x if rt is None else x.to(rt.device)
+        with contextlib.nullcontext() if rt is None else rt.autocast():
+            logits = head(enc.pool(enc(data.normalize(x))))
+        pred.append(logits.float().argmax(1)[:n].cpu().numpy())
+        start += n
+    enc.train(was_training)
+    return np.concatenate(pred)
 
 
 def task_rows(cfg: TrainConfig, split: str = "train") -> list[dict]:

@@ -84,3 +84,37 @@ def test_a_reference_that_stops_on_val_saves_its_best_val_state(tiny_cache, tmp_
     best, last = seen[0.9], seen[0.6]  # the states at steps 4 and 8
     assert all(torch.equal(st["target"][k], best[k]) for k in best)
     assert not all(torch.equal(st["target"][k], last[k]) for k in last)
+
+
+def test_own_head_predictions_score_each_real_row_once_with_the_batch_edit(tiny_cache):
+    """One scorer for the reference's own head (ValScore while it trains, the cohort screen after):
+    the head's argmax per real row, padding dropped, each batch edited with its first row's index,
+    and the encoder left in the mode it was in."""
+    import torch
+
+    from evals.supervised import own_head_predictions
+    from train import data, encoder
+    from train.config import ModelConfig
+    from train.model import Encoder
+
+    torch.manual_seed(0)
+    shape = (8, 32, 32)
+    enc = Encoder(ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2), shape)
+    head = torch.nn.Linear(16, 3)
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)[:5]
+    batches = list(encoder.volume_batches(str(tiny_cache), rows, (1, 1, 1), shape, 2, pad=True))
+    with torch.no_grad():
+        want = torch.cat([head(enc.pool(enc(data.normalize(x)))).argmax(1)[:n] for x, n in batches]).numpy()
+    enc.train()
+    got = own_head_predictions(enc, head, batches)
+    assert enc.training and got.shape == (5,) and (got == want).all()
+    starts = []
+
+    def blank(x, start):
+        starts.append(start)
+        return torch.zeros_like(x)
+
+    blanked = own_head_predictions(enc, head, batches, change=blank)
+    with torch.no_grad():
+        zero = head(enc.pool(enc(data.normalize(torch.zeros_like(batches[0][0]))))).argmax(1)[0].item()
+    assert starts == [0, 2, 4] and (blanked == zero).all()
