@@ -317,6 +317,12 @@ def test_context_term_regresses_the_predictor_at_the_context_tokens():
     assert objective(LossConfig(context=0.5, local=1.0)) == (
         "V-JEPA latent prediction + latent term at the context tokens + local intensity term "
         "(tubelet max/min cells), weights 1 / 0.5 / 1")
+    assert objective(LossConfig(latent=0.0, context=1.0)) == (
+        "latent term at the context tokens only (no prediction at masked tokens), weight 1")
+    # the names that runs before the term carry are kept
+    assert objective(LossConfig(latent=0.0, local=1.0)) == (
+        "local intensity term (tubelet max/min cells) only (no latent prediction), weight 1")
+    assert objective(LossConfig(latent=0.0)) == "V-JEPA latent prediction, weight 0"
 
 
 def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cache, tmp_path):

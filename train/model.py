@@ -260,11 +260,12 @@ def objective(loss: LossConfig) -> str:
     names = {"latent": "V-JEPA latent prediction", "context": "latent term at the context tokens",
              "local": "local intensity term (tubelet max/min cells)"}
     on = [(names[k], w) for k, w in (("latent", loss.latent), ("context", loss.context), ("local", loss.local)) if w > 0]
-    if not on:
-        return "no loss term (every weight 0)"
+    if not on:  # every weight 0: named as before the context term existed
+        return f"{names['latent']}, weight {loss.latent:g}"
     text = " + ".join(n for n, _ in on)
-    if loss.latent <= 0:
-        text += " only (no latent prediction)" if len(on) == 1 else " (no prediction at masked tokens)"
+    if loss.latent <= 0:  # "no latent prediction" as before, unless the context term is a latent one
+        text += (" only" if len(on) == 1 else "") + (" (no prediction at masked tokens)" if loss.context > 0
+                                                     else " (no latent prediction)")
     if len(on) == 1 and loss.latent == 1:
         return text
     return f"{text}, weight{'s' if len(on) > 1 else ''} " + " / ".join(f"{w:g}" for _, w in on)
@@ -312,9 +313,7 @@ class JEPA(nn.Module):
 
 def context_mean(err: torch.Tensor, ctx_valid: torch.Tensor | None) -> torch.Tensor:
     """The mean of a per-context-token error [B, Kc] over the valid slots (padding does not count)."""
-    if ctx_valid is None:
-        return err.mean()
-    w = ctx_valid.float()
+    w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # the same ops either way (as before)
     return (err * w).sum() / w.sum().clamp_min(1.0)
 
 

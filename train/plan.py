@@ -145,8 +145,9 @@ def sequence_saved(shp: Shapes, act: int, kernel: str) -> dict[str, int]:
         pred += c * shp.dim * act                            # the embedding's input
         pred += t * (4 * shp.pred_dim + 8 + shp.pred_dim * act)  # the final norm's input, the output linear's
         pred += t * shp.dim * 4                              # the L1's difference (float32)
-        if shp.context_term:                                 # the same output rows and L1 at the context
-            pred += c * (4 * shp.pred_dim + 8 + shp.pred_dim * act + shp.dim * 4)
+        if shp.context_term:  # the context rows' norm statistics, output linear's input, L1 difference and
+            # slot weights (float32); the norm's input is the sequence's one storage, kept for the targets already
+            pred += c * (8 + shp.pred_dim * act + shp.dim * 4 + 4)
     local = sum(n * (shp.dim * act + shp.local_cells * 4) for n in shp.context) if shp.local_cells else 0
     return {"stem": stem_saved(shp, act), "encoder": enc, "predictor": pred, "local_head": local}
 
