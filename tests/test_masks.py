@@ -285,6 +285,33 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))
 
 
+def test_local_stat_chooses_what_each_cell_gives_the_local_head():
+    """loss.local_stat: mean gives each cell's mean voxel (a dot shifts its cell's mean by its
+    value / cell voxels), mean_maxmin the mean, max and min in that order; the head is sized to
+    match, and the default keeps decision 6's max/min cells and their name."""
+    import torch
+
+    from train.config import LossConfig, ModelConfig
+    from train.model import JEPA, local_cells, objective
+
+    x = torch.zeros(1, 1, 8, 32, 64)
+    x[0, 0, 5, 20, 37] = 3.2                    # token 14, cell (0, 1, 1) of 2 x 4 x 4 voxels
+    x[0, 0, 2, 3, 60] = -1.6                    # token 3, cell (1, 0, 3)
+    mean = local_cells(x, (4, 16, 16), (2, 4, 4), "mean")
+    assert mean.shape == (1, 16, 32)
+    assert mean[0, 14].reshape(2, 4, 4)[0, 1, 1] == 3.2 / 32 and mean[0, 3].reshape(2, 4, 4)[1, 0, 3] == -1.6 / 32
+    assert torch.count_nonzero(mean) == 2
+    both = local_cells(x, (4, 16, 16), (2, 4, 4), "mean_maxmin")
+    assert torch.equal(both, torch.cat([mean, local_cells(x, (4, 16, 16), (2, 4, 4))], -1))
+    cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
+    sizes = {k: JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_stat=k)).local_head.out_features
+             for k in ("maxmin", "mean", "mean_maxmin")}
+    assert sizes == {"maxmin": 64, "mean": 32, "mean_maxmin": 96}
+    assert objective(LossConfig(local=1.0, local_stat="mean")) == (
+        "V-JEPA latent prediction + local intensity term (tubelet mean cells), weights 1 / 1")
+    assert LossConfig().local_stat == "maxmin"
+
+
 def test_context_term_regresses_the_predictor_at_the_context_tokens():
     """loss.context: the predictor's outputs at the context positions are regressed (L1) on the
     target features there, on top of the latent loss at the targets; padding slots do not count,

@@ -99,6 +99,11 @@ class LossConfig:
     # (docs/learning-check.md, decision 6). 0: off, and the model has no such head.
     local: float = 0.0
     local_cell: tuple[int, int, int] = (2, 4, 4)
+    # What the local term reconstructs per cell: maxmin, each cell's max and min (decision 6: a focus
+    # is a bright extreme, a cyst a dark one); mean, each cell's mean (the speckle averaged over the
+    # cell's voxels, where a lesion wider than a voxel still shifts it); mean_maxmin, all three
+    # (docs/learning-check.md, decision 26).
+    local_stat: Literal["maxmin", "mean", "mean_maxmin"] = "maxmin"
     # Weight of the latent term at the context tokens (after V-JEPA 2.1's dense loss on visible
     # tokens): the predictor's outputs at the context positions are also regressed (L1) on the
     # target encoder's features there, so every visible token, not only the masked ones, is asked

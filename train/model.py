@@ -240,15 +240,26 @@ def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
     return per
 
 
-def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
-    """[B, 1, D, H, W] -> [B, N, 2 * cells per tubelet]: per token (in the patchify's order), the
-    max and then the min of its tubelet's voxels in each `cell` block: where a bright dot or a
-    dark pocket sits inside the tubelet, at the cell's resolution."""
+LOCAL_STATS = {"maxmin": ("max", "min"), "mean": ("mean",), "mean_maxmin": ("mean", "max", "min")}
+
+
+def local_outputs(loss: LossConfig, tubelet) -> int:
+    """The local head's outputs per token: one per statistic and cell of the tubelet."""
+    return len(LOCAL_STATS[loss.local_stat]) * math.prod(cells_per_tubelet(tubelet, loss.local_cell))
+
+
+def local_cells(x: torch.Tensor, tubelet, cell, stat: str = "maxmin") -> torch.Tensor:
+    """[B, 1, D, H, W] -> [B, N, stats x cells per tubelet]: per token (in the patchify's order),
+    each statistic of `stat` (LOCAL_STATS, in that order) of its tubelet's voxels in each `cell`
+    block: with max and min, where a bright dot or a dark pocket sits inside the tubelet at the
+    cell's resolution; with the mean, the cell's level with the speckle averaged."""
     per = cells_per_tubelet(tubelet, cell)
     b = x.shape[0]
     grid = dataclasses.astuple(masks.grid_for(x.shape[2:], tubelet))
+    pools = {"max": lambda: F.max_pool3d(x, cell), "min": lambda: -F.max_pool3d(-x, cell),
+             "mean": lambda: F.avg_pool3d(x, cell)}
     maps = []
-    for m in (F.max_pool3d(x, cell), -F.max_pool3d(-x, cell)):
+    for m in (pools[k]() for k in LOCAL_STATS[stat]):
         m = m.reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
         maps.append(m.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, math.prod(grid), math.prod(per)))
     return torch.cat(maps, dim=-1)
@@ -257,8 +268,9 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
 def objective(loss: LossConfig) -> str:
     """The pretraining objective in words, for run summaries, exported config.json and model
     cards: a run with the local or the context term is not plain V-JEPA and must not be called so."""
+    cells = {"maxmin": "max/min", "mean": "mean", "mean_maxmin": "mean/max/min"}[loss.local_stat]
     names = {"latent": "V-JEPA latent prediction", "context": "latent term at the context tokens",
-             "local": "local intensity term (tubelet max/min cells)"}
+             "local": f"local intensity term (tubelet {cells} cells)"}
     on = [(names[k], w) for k, w in (("latent", loss.latent), ("context", loss.context), ("local", loss.local)) if w > 0]
     if not on:  # every weight 0: named as before the context term existed
         return f"{names['latent']}, weight {loss.latent:g}"
@@ -276,7 +288,7 @@ class JEPA(nn.Module):
     `loss.latent` x the L1 between predictions and the target encoder's layer-normed features
     at the target tokens, plus (with `loss.context` > 0) `loss.context` x the same L1 at the
     context tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
-    reading each context token's own tubelet cells (`local_cells`) from its output."""
+    reading each context token's own tubelet cells (`local_cells`, `loss.local_stat`) from its output."""
 
     def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
         super().__init__()
@@ -286,13 +298,13 @@ class JEPA(nn.Module):
         self.loss = loss or LossConfig()
         self.local_head = None
         if self.loss.local > 0:
-            self.local_head = nn.Linear(cfg.dim, 2 * math.prod(cells_per_tubelet(cfg.tubelet, self.loss.local_cell)))
+            self.local_head = nn.Linear(cfg.dim, local_outputs(self.loss, cfg.tubelet))
             _init_weights(self.local_head)
 
     def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                 targets: torch.Tensor) -> torch.Tensor:
         """`masks`: (context ids, target ids, context validity or None) per mask set."""
-        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell)
+        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell, self.loss.local_stat)
         tokens = self.encoder.tokenize(x)  # once: the stem and patchify are a third of a step at check size
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:

@@ -69,12 +69,12 @@ class Shapes:
 
 
 def shapes(cfg: TrainConfig) -> Shapes:
-    from train.model import cells_per_tubelet
+    from train.model import local_outputs
 
     m = cfg.model
     grid = masks.grid_for(cfg.data.input_shape, m.tubelet)
     sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
-    local = 2 * math.prod(cells_per_tubelet(m.tubelet, cfg.loss.local_cell)) if cfg.loss.local > 0 else 0
+    local = local_outputs(cfg.loss, m.tubelet) if cfg.loss.local > 0 else 0
     return Shapes(math.prod(cfg.data.input_shape), grid.tokens, tuple(s.context_cells * grid.depth for s in sizes),
                   tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, cfg.loss.context > 0, m.dim, m.depth, m.heads,
                   m.mlp_ratio, m.pred_dim, m.pred_depth, m.pred_heads)
