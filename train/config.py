@@ -94,7 +94,7 @@ class LossConfig:
     # that says what the latent prediction adds (the predictor then gets zero gradients).
     latent: float = 1.0
     # Weight of the local term: each context token's output also reconstructs (one linear head,
-    # L1) the max and the min of its own tubelet's voxels in cells of `local_cell`, so the
+    # L1) statistics (`local_stat`) of its own tubelet's voxels in cells of `local_cell`, so the
     # encoder must keep small bright and dark detail that a latent target may drop
     # (docs/learning-check.md, decision 6). 0: off, and the model has no such head.
     local: float = 0.0
