@@ -49,8 +49,9 @@ def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
     # the fused kernels alone: a math fallback would have raised inside sdpa_kernel
     q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16)
     torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()  # the trainer, its batches and q stay allocated
     attention.attend(q, q, q)
-    assert torch.cuda.max_memory_allocated() < 2 * 4 * 3000 * 3000  # no [B, H, N, N] bf16 scores
+    assert torch.cuda.max_memory_allocated() - held < 2 * 4 * 3000 * 3000  # no [B, H, N, N] bf16 scores
 
 
 def test_the_fused_adamw_skip_decides_as_the_cpu(tiny_cache, tmp_path):
