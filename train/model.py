@@ -241,6 +241,7 @@ def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
 
 
 LOCAL_STATS = {"maxmin": ("max", "min"), "mean": ("mean",), "mean_maxmin": ("mean", "max", "min")}
+CELL_POOLS = {"max": F.max_pool3d, "min": lambda x, cell: -F.max_pool3d(-x, cell), "mean": F.avg_pool3d}
 
 
 def local_outputs(loss: LossConfig, tubelet) -> int:
@@ -256,10 +257,8 @@ def local_cells(x: torch.Tensor, tubelet, cell, stat: str = "maxmin") -> torch.T
     per = cells_per_tubelet(tubelet, cell)
     b = x.shape[0]
     grid = dataclasses.astuple(masks.grid_for(x.shape[2:], tubelet))
-    pools = {"max": lambda: F.max_pool3d(x, cell), "min": lambda: -F.max_pool3d(-x, cell),
-             "mean": lambda: F.avg_pool3d(x, cell)}
     maps = []
-    for m in (pools[k]() for k in LOCAL_STATS[stat]):
+    for m in (CELL_POOLS[k](x, cell) for k in LOCAL_STATS[stat]):
         m = m.reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
         maps.append(m.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, math.prod(grid), math.prod(per)))
     return torch.cat(maps, dim=-1)
@@ -276,8 +275,8 @@ def objective(loss: LossConfig) -> str:
         return f"{names['latent']}, weight {loss.latent:g}"
     text = " + ".join(n for n, _ in on)
     if loss.latent <= 0:  # "no latent prediction" as before, unless the context term is a latent one
-        text += (" only" if len(on) == 1 else "") + (" (no prediction at masked tokens)" if loss.context > 0
-                                                     else " (no latent prediction)")
+        missing = "no prediction at masked tokens" if loss.context > 0 else "no latent prediction"
+        text += f"{' only' if len(on) == 1 else ''} ({missing})"
     if len(on) == 1 and loss.latent == 1:
         return text
     return f"{text}, weight{'s' if len(on) > 1 else ''} " + " / ".join(f"{w:g}" for _, w in on)
