@@ -8,7 +8,6 @@ becomes a failed row; a crashed worker is retried once, then its row fails.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ from ingest import dicom
 from ingest import preprocess as prep
 from manifests import build as manifest_build
 from manifests import layout, schema
-from octfm import cli, config, fsio
+from octfm import cli, config, fsio, procs
 
 # the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
 OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "decoder")
@@ -112,17 +111,6 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
     return done, todo
 
 
-def pool_context():
-    """forkserver (spawn where missing): zarr 3 deadlocks in children forked from a process
-    whose event loop is running. The server preloads our modules once, so each worker starts
-    in milliseconds instead of re-importing torch, pydicom and zarr."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["cache.worker", "torch"])
-        return ctx
-    return mp.get_context("spawn")
-
-
 WORKER_CRASHED = ("worker crashed: the process died while decoding this file alone (out of memory or a "
                   "decoder crash)")
 
@@ -135,7 +123,7 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
     max_tasks_per_child: on Python 3.11 a pool that replaces its workers can hang forever
     (seen here at 128 tasks with 2 workers)."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
-    ctx = pool_context()
+    ctx = procs.worker_context()
     cfg_dict = config.to_dict(cfg)
     queue = deque(todo)
     while queue:

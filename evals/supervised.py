@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from evals import probe_heads
 from manifests.aireadi import TASKS
-from octfm import cli, config
+from octfm import cli, config, procs
 from octfm.scores import balanced_accuracy
 from train import checkpoint, data, encoder, masks, runtime
 from train.config import TrainConfig
@@ -131,7 +131,7 @@ def train(cfg: TrainConfig, task: str, ckpt_dir: str, steps: int, lr: float = 3e
     batch = min(cfg.batch_size, len(rows))  # a small cohort's label fraction can hold fewer rows than a batch
     sampler = data.EpochSampler(len(rows), batch, seed=cfg.seed, stop_batch=steps)
     workers = data.loader_workers(cfg.data.workers)
-    kw = {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": cfg.data.start_method} \
+    kw = {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": procs.worker_context(cfg.data.start_method)} \
         if workers > 0 else {}
     dl = DataLoader(dataset(ds, y), batch_size=batch, sampler=sampler, drop_last=True,
                     pin_memory=rt.kind == "cuda", **kw)

@@ -13,7 +13,6 @@ import concurrent.futures
 import copy
 import dataclasses
 import io
-import multiprocessing
 import os
 import shutil
 import zipfile
@@ -28,7 +27,7 @@ from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
 from tqdm import tqdm
 
 from manifests.aireadi import SITES, STUDY_GROUPS
-from octfm import cli
+from octfm import cli, procs
 
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 
@@ -430,8 +429,7 @@ class _Writer:
         self.pending: collections.deque = collections.deque()
         self.pool = None
         if workers > 0:
-            ctx = multiprocessing.get_context("forkserver")  # not fork: the caller may hold torch's threads
-            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
+            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=procs.worker_context())
         self.limit = 2 * workers
 
     def submit(self, job: VolumeJob, path: Path, compress: str | None) -> None:

@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import yaml
 from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, tiny_train_args
 
 from octfm import config
-from train import checkpoint, pretrain, runtime, schedule
+from train import checkpoint, data, pretrain, runtime, schedule
 from train.config import OptimConfig, TrainConfig
 
 SMOKE = "configs/pretrain_smoke.yaml"
@@ -371,6 +372,33 @@ def test_several_masks_share_one_target_pass(tiny_cache, tmp_path):
     assert calls == {"target": 1, "predictor": 2 * len(tr.cfg.mask.sets)}
 
 
+def test_startup_dates_the_loader_workers_start(tmp_path):
+    """The first batch's wait split by the workers themselves (the H200's 89 s, docs/accelerators.md):
+    each worker notes when its process was forked and when it was ready, and the startup record
+    reads them back in seconds after the loop began, ordered (forked before ready)."""
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    st = pretrain.Startup()
+    assert st.workers() == {}  # no worker yet: nothing claimed
+    from octfm import procs
+
+    dl = DataLoader(list(range(8)), batch_size=4, num_workers=2, multiprocessing_context=procs.worker_context(),
+                    worker_init_fn=functools.partial(data.note_worker_start, st.worker_log))
+    t0 = time.time()
+    assert [b.tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    elapsed = time.time() - st.wall
+    w = st.workers()
+    assert w["workers_ready"] == 2
+    assert t0 - st.wall - 0.02 <= w["workers_last_forked_s"] <= w["workers_last_ready_s"]  # dated to a clock tick
+    assert 0 < w["workers_first_ready_s"] <= w["workers_last_ready_s"] <= elapsed
+    pids = {json.loads(x)["pid"] for x in Path(st.worker_log).read_text().splitlines()}
+    assert len(pids) == 2 and os.getpid() not in pids  # written by the worker processes themselves
+    st.report(1, type("Log", (), {"log": lambda *a, **k: None})(), show=False)  # removes the folder
+    data.note_worker_start(st.worker_log, 2)  # a late worker must not fail: the record is already out
+
+
 def test_a_run_records_where_its_startup_went(tiny_run):
     """One `startup` record after the first step: the resident load, the loader, the step-0
     online probe, the first batch and the first update, each timed, summing to the total
@@ -379,6 +407,54 @@ def test_a_run_records_where_its_startup_went(tiny_run):
     starts = [r for r in recs if r["split"] == "startup"]
     assert len(starts) == 1 and starts[0]["step"] == 1
     laps = {k: v for k, v in starts[0].items() if k.endswith("_s") and k != "total_s"}
-    assert list(laps) == ["resident_s", "loader_s", "online_probe_s", "first_batch_s", "first_update_s"]
+    # the loader first: its workers start while the volumes load and the probe runs
+    assert list(laps) == ["loader_s", "resident_s", "online_probe_s", "first_batch_s", "first_update_s"]
     assert all(v >= 0 for v in laps.values()) and laps["online_probe_s"] > 0  # eval_every: the step-0 probe ran
     assert starts[0]["total_s"] == pytest.approx(sum(laps.values()), abs=0.01)
+
+
+def test_loader_workers_start_together_not_one_after_another(tiny_cache):
+    """The H200's 89-s first batch (docs/accelerators.md): a worker imported what its job needs
+    while the parent's write of the job (the dataset, larger than a pipe's buffer) waited, so
+    torch's loop started the workers one after another. With the process server preloading
+    our modules (octfm/procs.py) the workers are ready together; without it the second waits
+    for the first's import of torch and train.data (seconds)."""
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    from octfm import procs
+
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None) * 2000  # ~0.3 MB pickled
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", [f"data.cache={tiny_cache}", "data.stride=[1,1,1]",
+                                                                    "data.input_shape=[16,48,48]"])
+    ds = data.CacheDataset(rows, cfg.data, None, None, None, seed=0, volumes=False)
+    assert len(pickle.dumps(ds)) > 2 ** 16  # more than a pipe holds: the write waits for the worker to read
+    st = pretrain.Startup()
+    dl = DataLoader(ds, batch_size=2, sampler=[(0, i) for i in range(4)], num_workers=2,
+                    multiprocessing_context=procs.worker_context(),
+                    worker_init_fn=functools.partial(data.note_worker_start, st.worker_log))
+    it = iter(dl)
+    next(it)
+    del it
+    time.sleep(0.2)
+    w = st.workers()
+    assert w["workers_ready"] == 2
+    assert w["workers_last_ready_s"] - w["workers_first_ready_s"] < 0.5, w
+
+
+@pytest.mark.parametrize("main, preloaded", [("evals.learning_check", True), ("train.pretrain", True),
+                                              ("pytest.__main__", False), ("somepkg.cli", False), (None, False)])
+def test_the_process_server_preloads_our_main_module_only(monkeypatch, main, preloaded):
+    """The running `python -m` module is preloaded when it is ours (its main() is guarded); a
+    foreign one is not: importing `pytest.__main__` would run pytest inside the server."""
+    import types
+
+    from octfm import procs
+
+    fake = types.ModuleType("__main__")
+    fake.__spec__ = types.SimpleNamespace(name=main) if main else None
+    monkeypatch.setitem(sys.modules, "__main__", fake)
+    mods = procs.preload_modules()
+    assert mods[:4] == ["__main__", "torch", "cache.worker", "train.data"]
+    assert (main in mods) is preloaded and len(mods) == 4 + preloaded

@@ -7,7 +7,9 @@ Host-side work keeps uint8; the float conversion and intensity jitter happen on 
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import numpy as np
 import torch
@@ -62,6 +64,22 @@ def loader_workers(workers: int | None) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // per_host - 1))
 
 
+def note_worker_start(path: str, worker_id: int) -> None:
+    """A loader's `worker_init_fn` (functools.partial with `path`): appends when this worker
+    process was forked and when it became ready (its imports and the dataset's unpickling done),
+    wall-clock seconds, one JSON line per worker. The run's startup record splits the first
+    batch's wait with it (train/pretrain.py `Startup`; the H200's 89 s, docs/accelerators.md)."""
+    with open("/proc/self/stat") as f:  # field 22 (after the command's closing parenthesis): start, ticks after boot
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    now = time.time()
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"worker": worker_id, "pid": os.getpid(), "forked": now - age, "ready": now}) + "\n")
+    except FileNotFoundError:  # a worker ready after the startup record was written: its folder is gone
+        pass
+
+
 def strided_shape(shape, stride) -> list[int]:
     """A cached volume's shape after `data.stride` (every stride-th voxel from the first)."""
     return [-(-int(n) // int(s)) for n, s in zip(shape, stride)]
@@ -96,7 +114,10 @@ class CacheDataset(Dataset):
         """`mask_cfg` None: items carry no mask sets (fine-tuning reads only the crops).
         `volumes` False: items carry the row index, the crop box and the flip instead of the crop
         (the volumes are resident on the device: train/resident.py)."""
-        self.rows, self.cfg, self.mask_cfg, self.grid, self.sizes = rows, cfg, mask_cfg, grid, sizes
+        # only what an item reads: the dataset is pickled to every loader worker (1.7 MB for the
+        # learning check's 1,565 full manifest rows, 0.1 MB so)
+        self.rows = [{"volume": r["volume"], "shape": r["shape"]} for r in rows]
+        self.cfg, self.mask_cfg, self.grid, self.sizes = cfg, mask_cfg, grid, sizes
         self.seed, self.augment, self.volumes = seed, augment, volumes
         self._transforms = None
         for r in rows[:1]:

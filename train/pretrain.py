@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +21,7 @@ import yaml
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from octfm import cli, config, fsio
+from octfm import cli, config, fsio, procs
 from train import checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule
 from train.run_folder import RunFolder
 from train.config import TrainConfig
@@ -217,6 +219,8 @@ class Trainer:
             raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
                                  f"and devices {cfg.data.devices}")
         self.resident = None  # the training volumes on the device (data.resident), loaded when the loop starts
+        if data.loader_workers(cfg.data.workers) > 0:
+            procs.worker_context(cfg.data.start_method)  # the loader's process server preloads while the model builds
         self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
         self.sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
         self.model = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
@@ -343,8 +347,9 @@ class Trainer:
 
     # ------------------------------------------------------------ data
     def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None,
-               volumes: bool = True):
-        """`volumes` False: batches carry crop boxes for the resident volumes (materialize)."""
+               volumes: bool = True, worker_log: str | None = None):
+        """`volumes` False: batches carry crop boxes for the resident volumes (materialize).
+        `worker_log`: each worker notes its start there (data.note_worker_start)."""
         cfg = self.cfg
         ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment, volumes)
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
@@ -352,8 +357,9 @@ class Trainer:
         kw = {}
         workers = data.loader_workers(cfg.data.workers)
         if workers > 0:
-            kw = {"num_workers": workers, "multiprocessing_context": cfg.data.start_method,
-                  "persistent_workers": True, "prefetch_factor": cfg.data.prefetch_factor}
+            kw = {"num_workers": workers, "multiprocessing_context": procs.worker_context(cfg.data.start_method),
+                  "persistent_workers": True, "prefetch_factor": cfg.data.prefetch_factor,
+                  "worker_init_fn": functools.partial(data.note_worker_start, worker_log) if worker_log else None}
         dl = DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
         return sampler, dl
@@ -365,10 +371,13 @@ class Trainer:
         x = self.resident.crops(batch.pop("index"), batch.pop("box"), batch.pop("flip"), self.cfg.data.input_shape)
         return {"x": x, **batch}
 
+    def wants_resident(self) -> bool:
+        d = self.cfg.data
+        return self.rt.kind != "xla" and resident.wanted(d.resident, self.rt.device, self.rows, d.stride)
+
     def load_resident(self, progress: bool) -> None:
         d = self.cfg.data
-        if self.rt.kind != "xla" and resident.wanted(d.resident, self.rt.device, self.rows, d.stride):
-            self.resident = resident.ResidentVolumes(d.cache, self.rows, d.stride, self.rt.device, progress)
+        self.resident = resident.ResidentVolumes(d.cache, self.rows, d.stride, self.rt.device, progress)
 
     # ------------------------------------------------------------ one update
     def update(self, batches, net) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -490,14 +499,15 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         net = self.network()
         startup = Startup()
-        if self.step < cfg.max_steps:
-            self.load_resident(progress=not bar.disable)
-        startup.lap("resident")
+        on_device = self.step < cfg.max_steps and self.wants_resident()
         sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                   stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps,
-                                  volumes=self.resident is None)
-        it = iter(rt.loader(dl))
+                                  volumes=not on_device, worker_log=startup.worker_log)
+        it = iter(rt.loader(dl))  # the workers start here and import while the volumes load and the probe runs
         startup.lap("loader")
+        if on_device:
+            self.load_resident(progress=not bar.disable)
+        startup.lap("resident")
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
         postfix: dict = {}
@@ -575,18 +585,39 @@ class Startup:
         self.t = time.perf_counter()
         self.laps: dict[str, float] = {}
         self.pending = True
+        self._dir = tempfile.TemporaryDirectory(prefix="octfm-startup-")  # removed with this object
+        self.worker_log = str(Path(self._dir.name) / "workers.jsonl")
+        self.wall = time.time()  # the loader's workers date their start in wall-clock time
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.laps[f"{name}_s"] = round(now - self.t, 3)
         self.t = now
 
+    def workers(self) -> dict:
+        """When the loader's workers were forked and became ready (imports and the dataset's
+        unpickling done), seconds after the loop began: the last fork, the first and the last
+        ready among those ready by now (process start times to the kernel's clock tick, 1/100 s)."""
+        try:
+            recs = [json.loads(line) for line in Path(self.worker_log).read_text().splitlines()]
+        except FileNotFoundError:  # no worker processes (data.workers: 0), or none ready yet
+            return {}
+        ready = sorted(r["ready"] - self.wall for r in recs)
+        return {"workers_ready": len(recs), "workers_last_forked_s": round(max(r["forked"] for r in recs) - self.wall, 2),
+                "workers_first_ready_s": round(ready[0], 2), "workers_last_ready_s": round(ready[-1], 2)}
+
     def report(self, step: int, log: metrics.MetricsLog, show: bool) -> None:
         self.pending = False
-        log.log({"step": step, **self.laps, "total_s": round(sum(self.laps.values()), 3)}, prefix="startup")
+        workers = self.workers()
+        log.log({"step": step, **self.laps, "total_s": round(sum(self.laps.values()), 3), **workers},
+                prefix="startup")
+        self._dir.cleanup()
         if show:
             parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in self.laps.items())
-            tqdm.write(f"pretrain: started in {sum(self.laps.values()):.1f} s ({parts})", file=sys.stderr)
+            more = (f"; {workers['workers_ready']} loader workers ready by then, forked by "
+                    f"{workers['workers_last_forked_s']:.1f} s, ready from {workers['workers_first_ready_s']:.1f} to "
+                    f"{workers['workers_last_ready_s']:.1f} s") if workers else ""
+            tqdm.write(f"pretrain: started in {sum(self.laps.values()):.1f} s ({parts}){more}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -166,7 +166,10 @@ class Prefetcher:
         return batch
 
     def __iter__(self):
-        it = iter(self.dl)
+        """The loader's iterator starts here, not at the first batch: its workers start now."""
+        return self._batches(iter(self.dl))
+
+    def _batches(self, it):
         try:
             ahead = self._copy(next(it))
         except StopIteration:
