@@ -53,7 +53,7 @@ help:
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000']: pretrained vs random-init"
-	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3] [SMOKE=1]   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
+	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s]   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
@@ -145,7 +145,8 @@ device-check:
 	  PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m bench.device_check --out $(OUT) $(ARGS)
 
 # On the GPU machine, as device-check: the learning check at GPU size from nothing (cohort, cache and runs
-# under LC_WORK, off $(OUT); the result files and the log copied to OUT)
+# under LC_WORK, off $(OUT); the result files, the pretraining's metrics and curves and the log copied to OUT,
+# also when TIMEOUT=<seconds> cuts the check short: result_interim.* keeps the headline)
 LC_WORK ?= /tmp/octfm-learning-check
 # SMOKE=1: every stage on the GPU at a small size first (128 participants, 150 steps, short fine-tuning;
 # about 1 minute of work on the H200 beside the first step's cost, docs/accelerators.md), one fine-tuning seed
@@ -155,10 +156,12 @@ learning-check-device:
 	@test -n "$(OUT)" || { echo "make learning-check-device: set OUT=<folder for the result files>" >&2; exit 2; }
 	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
 	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
-	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m evals.learning_check --size gpu \
-	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) --finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3)) \
+	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(if $(TIMEOUT),timeout $(TIMEOUT)) $(DEVICE_PY) -m evals.learning_check --size gpu \
+	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) \
+	  $(if $(filter 0,$(FINETUNE)),,--finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3))) \
 	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(if $(SMOKE),$(SMOKE_ARGS)) $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
-	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result* $(OUT)/ 2>/dev/null; exit $$rc
+	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result* $(OUT)/ 2>/dev/null; \
+	  for f in metrics.jsonl curves.png; do cp $(LC_WORK)/runs/pretrain_*/$$f $(OUT)/pretrain_$$f 2>/dev/null; done; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)

@@ -10,9 +10,9 @@ network). In a few minutes from a bare machine it writes `device_check.json` and
 - train: the smoke, ViT-S and ViT-B (production) steps in bf16: ms per step, tokens/s, model FLOPs
   per step (torch.utils.flop_counter), MFU against the card's bf16 peak, peak memory; ViT-B at the
   largest batch `make plan` says fits (halved on an out-of-memory);
-- check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at batch
-  128; eager, eager at batch 256, compiled, eager with cuDNN attention allowed), each profiled, and
-  what the check's 3,700 x 128 samples take at it;
+- check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at its
+  batch, 256; eager, eager at twice the batch, compiled, eager with cuDNN attention allowed), each
+  profiled, and what the check's 1,850 x 256 samples take at it;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
 - loader: the production loader with the default workers at the production crop, volumes per second
@@ -70,8 +70,8 @@ class Sizes:
         if dry:  # one size: the three run the same code
             self.train = {"vit_b": (PRODUCTION, TINY, self.crop, None, 2)}
         # the GPU-size learning check's step (configs/pretrain_check_gpu.yaml): config, overrides, crop, batch, steps
-        self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 128, 2 if dry else 10)
-        self.check_participants = 12 if dry else 200  # about 315 train volumes: more than one batch of 128
+        self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 256, 2 if dry else 10)
+        self.check_participants = 12 if dry else 400  # about 640 train volumes: more than a batch of twice 256
         self.batch_cap = 2 if dry else 64
         self.loader_batches = 4 if dry else 30
         self.run_steps = 4 if dry else 40
@@ -374,7 +374,8 @@ def check_step(ctx: dict) -> dict:
 
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
-    max_steps = config.load(TrainConfig, path).max_steps
+    recipe = config.load(TrainConfig, path)
+    samples = recipe.max_steps * recipe.batch_size  # what the check's pretraining trains on
     out = {}
     off, on = {attention.CUDNN_ENV: "0"}, {attention.CUDNN_ENV: "1"}
     # name: (compiled, environment, batch, seconds left it needs: 0 always runs; inductor takes a minute or so)
@@ -385,7 +386,7 @@ def check_step(ctx: dict) -> dict:
             continue
         r = step_size(ctx, f"check_{name}", path, over, crop, b, steps, compile_=compiled, cache=check_cache(ctx),
                       env=env, profile=True)
-        r["steps_for_the_check"] = -(-max_steps * batch // r["batch"])  # the same samples as max_steps at `batch`
+        r["steps_for_the_check"] = -(-samples // r["batch"])  # the same samples as the recipe's steps
         r["pretrain_s"] = r["step_s"] * r["steps_for_the_check"]
         out[name] = r
         write_results(ctx, "check", out)

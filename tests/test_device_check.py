@@ -28,7 +28,9 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
     ck = res["check"]  # the GPU-size learning check's step, on a cache of its shape
     assert "compiled" not in ck and ck["eager"]["tokens"] == 288  # its 8 x 6 x 6 grid; no budget for compiling
-    assert ck["eager"]["pretrain_s"] == pytest.approx(3700 * ck["eager"]["step_s"])  # its max_steps
+    # the recipe's samples (1,850 x 256) at the step's batch (2 in the dry run)
+    assert ck["eager"]["steps_for_the_check"] == 1850 * 256 // ck["eager"]["batch"] and ck["eager"]["batch"] == 2
+    assert ck["eager"]["pretrain_s"] == pytest.approx(ck["eager"]["steps_for_the_check"] * ck["eager"]["step_s"])
     prof = ck["eager"]  # profiled after its timing: where the step's time goes (on the CPU, host time only)
     assert prof["profile_op_calls_per_step"] > 1000 and prof["profile_device_ms_per_step"] is None
     assert "gpu_busy_frac" not in prof and len(prof["profile_top"]) == 12
