@@ -125,3 +125,16 @@ def test_synthetic_volumes_carry_an_up_down_cue(laterality):
     darkest = enface.argmin(axis=0)              # per column: the frame under the vessel
     assert (darkest < 16).mean() > 0.75, darkest
     assert (vol[::-1].mean(axis=1).argmin(axis=0) < 16).mean() < 0.25
+
+
+def test_the_curves_figure_is_titled_with_the_run_not_a_panel(monkeypatch):
+    """curves.png's title names the run (a loop over the panels once overwrote it with the last
+    panel's title, "data wait fraction", seen on the H200 run's curves)."""
+    from train import curves
+
+    seen = {}
+    monkeypatch.setattr(curves, "to_png", lambda fig, dpi: seen.setdefault("title", fig._suptitle.get_text()))
+    rec = {"loss": 1.0, "lr": 1e-4, "grad_norm": 1.0, "ema_momentum": 0.99, "rankme": 3.0, "target_std": 0.5,
+           "samples_per_s": 10.0, "data_wait_frac": 0.1}
+    curves.curves_png({"train": {1: rec, 2: rec}}, "pretrain_9582d1f4")
+    assert seen["title"] == "pretrain_9582d1f4"

@@ -36,7 +36,7 @@ def curves_png(splits: dict[str, dict[int, dict]], title: str, dpi: int = 80) ->
     plt = pyplot()
     steps = sorted(train)
     fig, axes = plt.subplots(3, 3, figsize=(15, 9.5))
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, panel) in zip(axes.flat, PANELS):
         ys = [train[s].get(key) for s in steps]
         ys = [float("nan") if y is None else y for y in ys]  # non-finite values are logged as null
         ax.plot(steps, ys, ".-" if len(steps) < 30 else "-", label="train")
@@ -44,7 +44,7 @@ def curves_png(splits: dict[str, dict[int, dict]], title: str, dpi: int = 80) ->
             vs = sorted(val)
             ax.plot(vs, [val[s]["loss"] for s in vs], "o-", label="val")
             ax.legend()
-        ax.set_title(title)
+        ax.set_title(panel)
     probe_panel(axes.flat[len(PANELS)], probe)
     axes.flat[len(PANELS)].set_title("online probe: val balanced accuracy")
     for ax in axes.flat:
