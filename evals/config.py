@@ -24,7 +24,7 @@ class ProbeConfig:
     standardize: bool = True           # each feature channel scaled by the training rows' statistics (decision 21)
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
     extract_batch: int = 4
-    device: str = "cpu"
+    device: str = "cpu"                # feature extraction and the probe heads' training
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # feature extraction; auto: bf16 autocast on cuda
     bootstrap: int = 1000
     per_device: bool = True

@@ -120,6 +120,11 @@ class ChannelScaler:
         self.mean = torch.from_numpy(mean.astype(np.float32))
         self.std = torch.from_numpy(np.where(std > 1e-6, std + 1e-6, 1.0).astype(np.float32))
 
+    def to(self, device: torch.device) -> "ChannelScaler":
+        if self.on:
+            self.mean, self.std = self.mean.to(device), self.std.to(device)
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [..., d], scaled where `on`."""
         return (x - self.mean) / self.std if self.on else x
@@ -127,22 +132,26 @@ class ChannelScaler:
 
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
                 y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True, *,
-                standardize: bool):
+                standardize: bool, device: str | torch.device = "cpu"):
     """Train one head per (lr, wd) on the training features; returns a predict function. With
     `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
-    training and in prediction alike, one batch at a time."""
+    training and in prediction alike, one batch at a time. `device`: where the heads train and
+    predict (the GPU-size check's 2,250 x 288 tokens of 384 channels are many small steps on
+    the host's cores: 589 s of CPU on the H200's machine, docs/accelerators.md); the features,
+    the initial weights and the batch order are the same on any device."""
+    dev = torch.device(device)
     torch.manual_seed(seed)
-    heads = make_heads(kind, len(grid), pooled.shape[1], classes)
+    heads = make_heads(kind, len(grid), pooled.shape[1], classes).to(dev)
     opt = _HeadAdamW(heads, grid)
-    weight = class_weights(y, classes) if class_weight else None
-    scale_p = ChannelScaler(pooled, standardize)
-    scale_t = ChannelScaler(tokens, standardize) if tokens is not None else None
-    P = torch.from_numpy(pooled).float()
-    T = torch.from_numpy(tokens).float() if tokens is not None else None
-    Y = torch.from_numpy(y).long()
+    weight = class_weights(y, classes).to(dev) if class_weight else None
+    scale_p = ChannelScaler(pooled, standardize).to(dev)
+    scale_t = ChannelScaler(tokens, standardize).to(dev) if tokens is not None else None
+    P = torch.from_numpy(pooled).float().to(dev)
+    T = torch.from_numpy(tokens).float().to(dev) if tokens is not None else None
+    Y = torch.from_numpy(y).long().to(dev)
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        perm = torch.randperm(len(Y), generator=g)
+        perm = torch.randperm(len(Y), generator=g).to(dev)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]
             logits = heads(scale_p(P[idx]), scale_t(T[idx]) if T is not None else None)   # [b, H, C]
@@ -157,9 +166,9 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
         heads.eval()
         out = []
         for i in range(0, len(pooled_x), 256):
-            p = scale_p(torch.from_numpy(pooled_x[i:i + 256]).float())
-            t = scale_t(torch.from_numpy(tokens_x[i:i + 256]).float()) if tokens_x is not None else None
-            out.append(torch.softmax(heads(p, t), dim=-1).numpy())
+            p = scale_p(torch.from_numpy(pooled_x[i:i + 256]).float().to(dev))
+            t = scale_t(torch.from_numpy(tokens_x[i:i + 256]).float().to(dev)) if tokens_x is not None else None
+            out.append(torch.softmax(heads(p, t), dim=-1).cpu().numpy())
         return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
 
     return predict
@@ -171,8 +180,9 @@ class _HeadAdamW:
 
     def __init__(self, module: nn.Module, grid, betas=(0.9, 0.999), eps=1e-8):
         self.params = [p for p in module.parameters()]
-        self.lr = torch.tensor([lr for lr, _ in grid], dtype=torch.float32)
-        self.wd = torch.tensor([wd for _, wd in grid], dtype=torch.float32)
+        dev = self.params[0].device
+        self.lr = torch.tensor([lr for lr, _ in grid], dtype=torch.float32, device=dev)
+        self.wd = torch.tensor([wd for _, wd in grid], dtype=torch.float32, device=dev)
         self.betas, self.eps, self.t = betas, eps, 0
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]

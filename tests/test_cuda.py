@@ -1,7 +1,8 @@
 """The CUDA path (marker `cuda`; skipped without a GPU; `make device-check` runs them on a lent
 H100/H200): a bf16 step through the fused attention kernels, the fused-AdamW skip deciding as
 the CPU does, the prefetcher's side-stream copies in order, compiled and eager steps agreeing,
-one fine-tuning epoch, `make embed` in bf16, and the learning check's supervised reference on the GPU."""
+one fine-tuning epoch, `make embed` in bf16, the learning check's supervised reference and its
+probe heads on the GPU."""
 from __future__ import annotations
 
 import copy
@@ -152,3 +153,27 @@ def test_the_reference_trains_on_the_gpu_in_bf16(tiny_cache, tmp_path, monkeypat
     st = checkpoint.load(path)
     assert all(v.device.type == "cpu" for v in st["target"].values())
     assert [s for s, _ in st["supervised"]["val_history"]] == [1, 2]  # scored on the GPU at each step
+
+
+@pytest.mark.parametrize("kind", ["linear", "attentive"])
+def test_the_probe_heads_train_on_the_gpu_as_on_the_cpu(kind):
+    """The check's probe heads on its device (the GPU size's 589 s of host CPU, docs/accelerators.md):
+    the same initial weights and batch order as on the CPU, so the predictions agree to float32
+    rounding (TF32 off here), and every head of the grid trains."""
+    from evals import probe_heads
+
+    rng = np.random.default_rng(0)
+    n, tokens, dim = 240, 24, 16
+    y = rng.integers(0, 3, n)
+    t = (rng.normal(size=(n, tokens, dim)) + y[:, None, None] * 0.3).astype(np.float32)
+    pooled, grid = t.mean(1), [(1e-2, 0.0), (1e-3, 0.1)]
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        probs = {dev: probe_heads.train_heads(kind, grid, pooled[:160], t[:160], y[:160], 3, 4, 32, 0, standardize=True,
+                                              device=dev)(pooled[160:], t[160:]) for dev in ("cpu", "cuda")}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert probs["cuda"].shape == probs["cpu"].shape == (2, 80, 3)
+    np.testing.assert_allclose(probs["cuda"], probs["cpu"], atol=2e-3)
+    assert not np.allclose(probs["cpu"][0], probs["cpu"][1], atol=1e-3)  # the grid's two heads differ
