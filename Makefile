@@ -161,15 +161,16 @@ learning-check-device:
 	  $(if $(filter 0,$(FINETUNE)),,--finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3))) \
 	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(if $(SMOKE),$(SMOKE_ARGS)) $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
 	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result* $(OUT)/ 2>/dev/null; \
-	  for f in metrics.jsonl curves.png; do cp $(LC_WORK)/runs/pretrain_*/$$f $(OUT)/pretrain_$$f 2>/dev/null; done; exit $$rc
+	  run=$$(ls -td $(LC_WORK)/runs/pretrain_*/ 2>/dev/null | head -1); \
+	  for f in metrics.jsonl curves.png; do [ -z "$$run" ] || cp $$run$$f $(OUT)/pretrain_$$f 2>/dev/null; done; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(FINETUNE),--finetune) \
-		$(if $(FT_SEEDS),$(if $(FINETUNE),--finetune-seeds $(FT_SEEDS),$(error FT_SEEDS needs FINETUNE=1))) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(filter-out 0,$(FINETUNE)),--finetune) \
+		$(if $(FT_SEEDS),$(if $(filter-out 0,$(FINETUNE)),--finetune-seeds $(FT_SEEDS),$(error FT_SEEDS needs FINETUNE=1))) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)

@@ -36,7 +36,7 @@ from evals import features, probe, probe_heads, subsets, supervised
 from evals import probe_metrics as pm
 from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
-from octfm import cli, config, fsio, plots
+from octfm import cli, config, fsio, plots, procs
 from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
@@ -273,7 +273,8 @@ class Finetuner:
         per_epoch = data.EpochSampler(len(rows), cfg.batch_size, world=self.rt.world).batches_per_epoch
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, training_seed(cfg), True,
                                     start_epoch * per_epoch, self.epochs * per_epoch)
-        kw = {"num_workers": cfg.workers, "persistent_workers": True} if cfg.workers > 0 else {}
+        kw = {"num_workers": cfg.workers, "persistent_workers": True,
+              "multiprocessing_context": procs.worker_context(self.tcfg.data.start_method)} if cfg.workers > 0 else {}
         dl = DataLoader(supervised.Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
         return sampler.batches_per_epoch, dl

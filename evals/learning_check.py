@@ -69,14 +69,18 @@ CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 @dataclasses.dataclass(frozen=True)
 class Size:
     """One size of the check (make learning-check SIZE=...): the production recipe at that size
-    (one cohort and cache for all), and how its supervised references stop (decision 17: at GPU
-    size `max_steps` of 128 would be 3,000 epochs of the 10% labels; at CPU size they train them all)."""
+    (one cohort and cache for all), how its supervised references stop (decision 17: at GPU size
+    3,700 steps of 128 would be 3,000 epochs of the 10% labels; at CPU size they train them all),
+    and the references' own size keys, before ARGS (decision 28: the GPU pretraining went to 1,850
+    steps of 256, its references stay at decision 17's 3,700 of 128, the rule's steps)."""
     config: str
     supervised_stop: supervised.Stopping = supervised.Stopping()
+    supervised_args: tuple[str, ...] = ()
 
 
 SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
-         "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4))}
+         "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
+                     ("batch_size=128", "max_steps=3700"))}
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
@@ -576,8 +580,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
-          supervised_stop: supervised.Stopping = supervised.Stopping()) -> dict:
-    """The whole check for one cue; every stage reuses what an earlier run finished."""
+          supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = ()) -> dict:
+    """The whole check for one cue; every stage reuses what an earlier run finished.
+    `supervised_args`: the references' own overrides, before `overrides` (the size's)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -611,7 +616,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
             tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
             sup[frac], sup_training[pct(frac)] = stages.run(f"supervised reference, {pct(frac)} of labels", (
                 lambda frac=frac, tag=tag: supervised_features(
-                    pcfg, supervised_ckpt(config_path, cache, out, overrides, people[frac], tag, supervised_stop),
+                    pcfg, supervised_ckpt(config_path, cache, out, [*supervised_args, *overrides], people[frac], tag,
+                                          supervised_stop),
                     probe_dir)))
     tuned = {}
     if spec.protocol == "splits":  # held-out scanners: no fine-tuning per fold
@@ -630,6 +636,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
                                                     tuned, head))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "supervised_training": sup_training, "supervised_stop": dataclasses.asdict(supervised_stop),
+              "supervised_args": list(supervised_args),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if tokens:
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
@@ -733,7 +740,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               a.bootstrap, a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
-              supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop)
+              supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
+              supervised_args=size.supervised_args if a.config is None else ())
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

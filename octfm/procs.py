@@ -16,19 +16,21 @@ import multiprocessing as mp
 import sys
 from multiprocessing import forkserver
 
-HEAVY = ("torch", "cache.worker", "train.data")  # what our workers import: torch, zarr, pydicom, numpy
+HEAVY = ("torch", "cache.worker", "train.data", "monai.transforms")  # torch, zarr, pydicom, numpy, the crops
 OURS = ("bench", "cache", "evals", "ingest", "manifests", "octfm", "train")  # packages whose modules guard main()
 
 
 def preload_modules() -> list[str]:
-    """The heavy modules and the main module: a script by its path ('__main__', which the
-    server runs from the path as `__mp_main__`), one of our `python -m` modules by its name
-    (imported as a module: its main() is guarded; a worker's own run of it as `__mp_main__`
-    then finds its imports loaded). Other `-m` mains are left out (`pytest.__main__` would run)."""
+    """The heavy modules and the main module when it is one of our `python -m` modules, by its
+    name (imported as a module: its main() is guarded; a worker's own run of it as `__mp_main__`
+    then finds its imports loaded). Other `-m` mains are left out (`pytest.__main__` would run).
+    A main script run by its path is not preloaded: the standard library's server start passes
+    no `main_path` (Python 3.11 and 3.12), so its `'__main__'` entry does nothing; each worker
+    runs such a script itself, one after another (ours are all run with `-m`)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = getattr(spec, "name", "")
     ours = name.split(".")[0] in OURS and not name.endswith("__main__")
-    return ["__main__", *HEAVY, *([name] if ours else [])]
+    return [*HEAVY, *([name] if ours else [])]
 
 
 def worker_context(start_method: str = "forkserver"):

@@ -279,6 +279,7 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
                                   *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
     # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
     assert res["supervised_stop"] == {"every": 50, "patience": 4}
+    assert res["supervised_args"] == ["batch_size=128", "max_steps=3700"]  # before ARGS: the tiny ones win here
     assert all(t["steps_trained"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
                for t in res["supervised_training"].values()) and len(res["supervised_training"]) == 3
     assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
@@ -295,20 +296,22 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeypatch):
-    """`--size gpu` hands its references decision 17's stopping, `--size cpu` none, and
+    """`--size gpu` hands its references decision 17's stopping and budget, `--size cpu` none, and
     `--supervised-full-budget` trains them all max_steps at any size (to measure the stopping)."""
     from evals import supervised
 
     seen = []
 
     def fake_check(*args, **kwargs):
-        seen.append((args[3], kwargs["supervised_stop"]))
+        seen.append((args[3], kwargs["supervised_stop"], kwargs["supervised_args"]))
         raise SystemExit(0)
 
     monkeypatch.setattr(learning_check, "check", fake_check)
     for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"]):
         with pytest.raises(SystemExit):
             learning_check.main(argv)
-    assert seen == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4)),
-                    ("configs/pretrain_check.yaml", supervised.Stopping()),
-                    ("configs/pretrain_check_gpu.yaml", supervised.Stopping())]
+    # the GPU size's references keep decision 17's 3,700 steps of 128 (decision 28 halved the pretraining's steps)
+    gpu_refs = ("batch_size=128", "max_steps=3700")
+    assert seen == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4), gpu_refs),
+                    ("configs/pretrain_check.yaml", supervised.Stopping(), ()),
+                    ("configs/pretrain_check_gpu.yaml", supervised.Stopping(), gpu_refs)]

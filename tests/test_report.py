@@ -132,8 +132,15 @@ def test_the_curves_figure_is_titled_with_the_run_not_a_panel(monkeypatch):
     panel's title, "data wait fraction", seen on the H200 run's curves)."""
     from train import curves
 
+    from octfm.plots import pyplot
+
     seen = {}
-    monkeypatch.setattr(curves, "to_png", lambda fig, dpi: seen.setdefault("title", fig._suptitle.get_text()))
+
+    def title(fig, dpi):
+        seen["title"] = fig.get_suptitle()
+        pyplot().close(fig)
+
+    monkeypatch.setattr(curves, "to_png", title)
     rec = {"loss": 1.0, "lr": 1e-4, "grad_norm": 1.0, "ema_momentum": 0.99, "rankme": 3.0, "target_std": 0.5,
            "samples_per_s": 10.0, "data_wait_frac": 0.1}
     curves.curves_png({"train": {1: rec, 2: rec}}, "pretrain_9582d1f4")

@@ -73,6 +73,17 @@ def test_a_training_runs_on_resident_volumes(tiny_cache, tmp_path, capsys):
         pretrain.Trainer.materialize = real
     assert seen == [(True, (4, 1, 16, 48, 48), torch.uint8)] * 3
     assert (tmp_path / "r" / "checkpoints").exists()
+    # its startup record: the loader (whose worker starts there) before the volumes load, and the
+    # worker forked and ready before the first batch came (docs/accelerators.md, the H200's 89 s)
+    import json
+
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    (st,) = [r for r in recs if r["split"] == "startup"]
+    laps = [k for k in st if k.endswith("_s") and k != "total_s"]
+    assert laps == ["loader_s", "resident_s", "online_probe_s", "first_batch_s", "first_update_s"]
+    assert st["workers_ready"] == 1
+    first_batch_at = sum(st[k] for k in laps[:4])
+    assert 0 <= st["workers_last_forked_at"] <= st["workers_first_ready_at"] <= first_batch_at + 0.01, st
 
 
 def test_auto_keeps_the_loader_off_cuda():

@@ -499,11 +499,13 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         net = self.network()
         startup = Startup()
-        on_device = self.step < cfg.max_steps and self.wants_resident()
-        sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
-                                  stop_batch=self.consumed + max(0, cfg.max_steps - self.step) * cfg.optim.accum_steps,
-                                  volumes=not on_device, worker_log=startup.worker_log)
-        it = iter(rt.loader(dl))  # the workers start here and import while the volumes load and the probe runs
+        todo = self.step < cfg.max_steps  # a finished run (the learning check re-enters it) starts no workers
+        on_device = todo and self.wants_resident()
+        if todo:
+            sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
+                                      stop_batch=self.consumed + (cfg.max_steps - self.step) * cfg.optim.accum_steps,
+                                      volumes=not on_device, worker_log=startup.worker_log)
+            it = iter(rt.loader(dl))  # the workers start here and import while the volumes load and the probe runs
         startup.lap("loader")
         if on_device:
             self.load_resident(progress=not bar.disable)
@@ -511,7 +513,7 @@ class Trainer:
         accum = cfg.optim.accum_steps
         first_loss = last_loss = None
         postfix: dict = {}
-        if cfg.eval_every and self.step == 0 and self.step < cfg.max_steps:
+        if cfg.eval_every and self.step == 0 and todo:
             self.online_probe(log, postfix)  # the random-init floor of every probe curve
             bar.set_postfix(postfix, refresh=False)
         startup.lap("online_probe")
@@ -524,7 +526,7 @@ class Trainer:
                 batches.append(self.materialize(rt.to_device(next(it))))
                 wait += time.perf_counter() - tw
             if startup.pending:
-                startup.lap("first_batch")  # the loader's workers start and fill their first batches
+                startup.lap("first_batch")  # the workers (started at the loader lap) fill their first batches
             self.advance_schedules()  # after the fetch (XLA's loader ends a graph there): in the step's graph
             loss, gnorm, targets = self.update(batches, net)
             rt.sync()
@@ -576,17 +578,20 @@ class Trainer:
 
 
 class Startup:
-    """Where a run's first seconds go before steady steps (the resident volumes, the loader, the
-    step-0 online probe, the first batch as the loader's workers start, the first update with its
-    kernel loading, selection or compilation): one `startup` record in metrics.jsonl and one
-    printed line. The first H200 run spent 97 s before its first step (docs/accelerators.md)."""
+    """Where a run's first seconds go before steady steps (the loader, whose workers start there,
+    the resident volumes, the step-0 online probe, the first batch, the first update with its
+    kernel loading, selection or compilation), and when each loader worker was forked and ready:
+    one `startup` record in metrics.jsonl and one printed line. The first H200 runs spent 92-97 s
+    before their first step, the workers starting one after another (docs/accelerators.md)."""
 
     def __init__(self):
         self.t = time.perf_counter()
         self.laps: dict[str, float] = {}
         self.pending = True
-        self._dir = tempfile.TemporaryDirectory(prefix="octfm-startup-")  # removed with this object
+        # removed with this object or at the report; a worker ready later finds no file and writes nothing
+        self._dir = tempfile.TemporaryDirectory(prefix="octfm-startup-", ignore_cleanup_errors=True)
         self.worker_log = str(Path(self._dir.name) / "workers.jsonl")
+        Path(self.worker_log).touch()  # the workers append to it, never create it (data.note_worker_start)
         self.wall = time.time()  # the loader's workers date their start in wall-clock time
 
     def lap(self, name: str) -> None:
@@ -600,11 +605,13 @@ class Startup:
         ready among those ready by now (process start times to the kernel's clock tick, 1/100 s)."""
         try:
             recs = [json.loads(line) for line in Path(self.worker_log).read_text().splitlines()]
-        except FileNotFoundError:  # no worker processes (data.workers: 0), or none ready yet
+        except FileNotFoundError:  # reported already
+            return {}
+        if not recs:  # no worker processes (data.workers: 0), or none ready yet
             return {}
         ready = sorted(r["ready"] - self.wall for r in recs)
-        return {"workers_ready": len(recs), "workers_last_forked_s": round(max(r["forked"] for r in recs) - self.wall, 2),
-                "workers_first_ready_s": round(ready[0], 2), "workers_last_ready_s": round(ready[-1], 2)}
+        return {"workers_ready": len(recs), "workers_last_forked_at": round(max(r["forked"] for r in recs) - self.wall, 3),
+                "workers_first_ready_at": round(ready[0], 3), "workers_last_ready_at": round(ready[-1], 3)}
 
     def report(self, step: int, log: metrics.MetricsLog, show: bool) -> None:
         self.pending = False
@@ -615,8 +622,8 @@ class Startup:
         if show:
             parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in self.laps.items())
             more = (f"; {workers['workers_ready']} loader workers ready by then, forked by "
-                    f"{workers['workers_last_forked_s']:.1f} s, ready from {workers['workers_first_ready_s']:.1f} to "
-                    f"{workers['workers_last_ready_s']:.1f} s") if workers else ""
+                    f"{workers['workers_last_forked_at']:.1f} s, ready from {workers['workers_first_ready_at']:.1f} to "
+                    f"{workers['workers_last_ready_at']:.1f} s") if workers else ""
             tqdm.write(f"pretrain: started in {sum(self.laps.values()):.1f} s ({parts}){more}", file=sys.stderr)
 
 
