@@ -136,9 +136,9 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
     """Train one head per (lr, wd) on the training features; returns a predict function. With
     `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
     training and in prediction alike, one batch at a time. `device`: where the heads train and
-    predict (the GPU-size check's 2,250 x 288 tokens of 384 channels are many small steps on
-    the host's cores: 589 s of CPU on the H200's machine, docs/accelerators.md); the features,
-    the initial weights and the batch order are the same on any device."""
+    predict (at GPU size the attentive heads read 2,250 volumes x 72 pooled tokens x 384 channels;
+    the headline probes took 589 s of host CPU on the H200's machine, docs/accelerators.md); the
+    features, the initial weights and the batch order are the same on any device."""
     dev = torch.device(device)
     torch.manual_seed(seed)
     heads = make_heads(kind, len(grid), pooled.shape[1], classes).to(dev)

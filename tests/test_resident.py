@@ -86,6 +86,21 @@ def test_a_training_runs_on_resident_volumes(tiny_cache, tmp_path, capsys):
     assert 0 <= st["workers_last_forked_at"] <= st["workers_first_ready_at"] <= first_batch_at + 0.01, st
 
 
+def test_a_finished_run_starts_no_loader(tiny_cache, tmp_path, monkeypatch):
+    """Re-entering a finished run (the learning check does, each time it resumes) builds no loader
+    and so starts no workers; it loads no resident volumes either."""
+    from train import pretrain
+
+    args = tiny_train_args(tiny_cache, tmp_path, name="done", max_steps=2, ckpt_every=2,
+                           **{"data.resident": "always", "data.workers": 1})
+    train_here(*args)
+    calls = []
+    monkeypatch.setattr(pretrain.Trainer, "loader", lambda self, *a, **k: calls.append("loader"))
+    monkeypatch.setattr(pretrain.Trainer, "load_resident", lambda self, progress: calls.append("resident"))
+    train_here(*args)
+    assert calls == []
+
+
 def test_auto_keeps_the_loader_off_cuda():
     rows = [{"shape": [32, 128, 128]}] * 10
     assert not resident.wanted("auto", torch.device("cpu"), rows, (1, 1, 1))

@@ -76,14 +76,12 @@ def note_worker_start(path: str, worker_id: int) -> None:
     line = json.dumps({"worker": worker_id, "pid": os.getpid(), "forked": now - age, "ready": now}) + "\n"
     try:  # appended, never created: a worker ready after the startup record finds its folder gone
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
     except OSError:  # gone, or a full or read-only disk: a diagnostic never stops a worker
-        return
-    try:
-        os.write(fd, line.encode())
-    except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def strided_shape(shape, stride) -> list[int]:

@@ -603,10 +603,7 @@ class Startup:
         """When the loader's workers were forked and became ready (imports and the dataset's
         unpickling done), seconds after the loop began: the last fork, the first and the last
         ready among those ready by now (process start times to the kernel's clock tick, 1/100 s)."""
-        try:
-            recs = [json.loads(line) for line in Path(self.worker_log).read_text().splitlines()]
-        except FileNotFoundError:  # reported already
-            return {}
+        recs = [json.loads(line) for line in Path(self.worker_log).read_text().splitlines()]
         if not recs:  # no worker processes (data.workers: 0), or none ready yet
             return {}
         ready = sorted(r["ready"] - self.wall for r in recs)
