@@ -53,7 +53,7 @@ help:
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000']: pretrained vs random-init"
-	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s]   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
+	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--reference-fraction 0.1']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"

@@ -376,9 +376,11 @@ def markdown(result: dict) -> str:
                   "| task | supervised (head) | random-init | supervised - random [95% CI] |", "|---|---|---|---|"]
         lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {_diff(r)} |"
                   for t, r in ref.items()]
-        lines += ["", reference_training_line(result.get("supervised_training") or {}), ""]
+        lines.append("")
+    if result.get("supervised_training"):
+        lines += [reference_training_line(result["supervised_training"]), ""]
     pts = result["label_efficiency"]["points"]
-    with_sup = "supervised" in pts[0]
+    with_sup = any("supervised" in p for p in pts)  # `--reference-fraction`: a reference at some fractions only
     lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
               "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
               f"{', the supervised reference trained on the same ones' if with_sup else ''}):", "",
@@ -386,10 +388,12 @@ def markdown(result: dict) -> str:
               "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
               "|---|---|---|---|" + ("---|---|" if with_sup else "")]
     for p in pts:
-        enc = [p[e]["balanced_accuracy"] for e in ("pretrained", "random_init", *(["supervised"] if with_sup else []))]
-        lines.append(f"| {pct(p['fraction'])} ({p['participants']}) | " + " | ".join(f"{v:.3f}" for v in enc) +
+        enc = [f"{p[e]['balanced_accuracy']:.3f}" for e in ("pretrained", "random_init")]
+        if with_sup:
+            enc.append(f"{p['supervised']['balanced_accuracy']:.3f}" if "supervised" in p else "")
+        lines.append(f"| {pct(p['fraction'])} ({p['participants']}) | " + " | ".join(enc) +
                      f" | {_diff(p['pretrained_minus_random_init'])} |" +
-                     (f" {_diff(p['pretrained_minus_supervised'])} |" if with_sup else ""))
+                     ((f" {_diff(p['pretrained_minus_supervised'])} |" if "supervised" in p else " |") if with_sup else ""))
     lines.append("")
     if result.get("finetune"):
         n_seeds = result["finetune"]["points"][0].get("train_seeds", 1)
@@ -459,11 +463,12 @@ def plot(result: dict, path: Path) -> None:
     pts = result["label_efficiency"]["points"]
     x = [100 * p["fraction"] for p in pts]
     for j, name in enumerate(("pretrained", "random_init", "supervised")):
-        if name in pts[0]:
-            v = [p[name]["balanced_accuracy"] for p in pts]
-            lo = [p[name]["ci95"][0] if p[name]["ci95"][0] is not None else p[name]["balanced_accuracy"] for p in pts]
-            hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in pts]
-            ax.errorbar(x, v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
+        have = [p for p in pts if name in p]  # `--reference-fraction`: the supervised encoder at some fractions
+        if have:
+            v = [p[name]["balanced_accuracy"] for p in have]
+            lo = [p[name]["ci95"][0] if p[name]["ci95"][0] is not None else p[name]["balanced_accuracy"] for p in have]
+            hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in have]
+            ax.errorbar([100 * p["fraction"] for p in have], v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
                         label=name.replace("_", "-"))
     tuned = (result.get("finetune") or {}).get("points", [])
     for j, name in enumerate(("pretrained", "random_init") if tuned else ()):
@@ -580,9 +585,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
-          supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = ()) -> dict:
+          supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
+          reference_fractions: Sequence[float] | None = None) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
-    `supervised_args`: the references' own overrides, before `overrides` (the size's)."""
+    `supervised_args`: the references' own overrides, before `overrides` (the size's).
+    `reference_fractions`: the label fractions that get a supervised reference (None: every one
+    of the curve's; the curve keeps its frozen rows at the others)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -612,7 +620,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     sup, sup_training = {}, {}
     if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
         people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
-        for frac in sorted(fractions, reverse=True):
+        for frac in sorted(fractions if reference_fractions is None else reference_fractions, reverse=True):
             tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
             sup[frac], sup_training[pct(frac)] = stages.run(f"supervised reference, {pct(frac)} of labels", (
                 lambda frac=frac, tag=tag: supervised_features(
@@ -712,6 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
     ap.add_argument("--no-supervised", action="store_true",
                     help="skip the supervised reference (the same encoder trained on the labels)")
+    ap.add_argument("--reference-fraction", action="append", type=float, default=None, choices=FRACTIONS,
+                    help="train the supervised reference at this label fraction only (repeatable; default every "
+                         "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
     ap.add_argument("--supervised-full-budget", action="store_true",
                     help="the supervised references train all max_steps at any size (the GPU size's stop on val, "
                          "decision 17: this measures what the stopping costs them)")
@@ -741,7 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
               supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
-              supervised_args=size.supervised_args if a.config is None else ())
+              supervised_args=size.supervised_args if a.config is None else (),
+              reference_fractions=a.reference_fraction)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -251,8 +251,9 @@ def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
     shrunk and the device set to the CPU, the volumes resident as on the GPU
-    (data.resident=always), the token probe stage, the result files. The GPU run itself is
-    `make learning-check-device` on a lent machine."""
+    (data.resident=always), the token probe stage, the result files, and the supervised reference
+    at 10% of labels only (`--reference-fraction`, what a lent GPU's call holds). The GPU run
+    itself is `make learning-check-device` on a lent machine."""
     from train import pretrain
 
     loaded = []
@@ -268,7 +269,8 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     pretrain.Trainer.load_resident = spy
     try:
         assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                                    "--participants", "12", "--bootstrap", "20", *PROBE, *tiny]) == 0
+                                    "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
+                                    *PROBE, *tiny]) == 0
     finally:
         pretrain.Trainer.load_resident = real
     res = json.loads((tmp_path / "out" / "lesions" / "result.json").read_text())
@@ -276,12 +278,15 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
-                                  *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
+                                  "supervised reference, 10% of labels"}
+    points = {p["fraction"]: p for p in res["label_efficiency"]["points"]}   # frozen rows at every fraction
+    assert sorted(points) == [0.1, 0.25, 1.0] and [f for f, p in points.items() if "supervised" in p] == [0.1]
+    assert "supervised_reference" not in res or not res["supervised_reference"]   # the 100% reference's rows
     # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
     assert res["supervised_stop"] == {"every": 50, "patience": 4}
     assert res["supervised_args"] == ["batch_size=128", "max_steps=3700"]  # before ARGS: the tiny ones win here
     assert all(t["steps_trained"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
-               for t in res["supervised_training"].values()) and len(res["supervised_training"]) == 3
+               for t in res["supervised_training"].values()) and list(res["supervised_training"]) == ["10%"]
     assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
     assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
         (tmp_path / "out" / "lesions" / "result.md").read_text()
