@@ -4,8 +4,8 @@ pools, and the training loaders.
 forkserver, not fork: a caller may hold torch's threads or zarr's event loop, and zarr 3
 deadlocks in children forked from a process whose loop is running (spawn where forkserver is
 missing). The server is started once per process, by whichever pool or loader comes first, and
-it preloads our heavy modules and the running program's main module. Without that, each new
-worker imports the main module again before it reads its job, and the parent's write of a job
+it preloads our heavy modules and what the running program's main module imported. Without
+that, each new worker imports the main module's imports again before it reads its job, and the parent's write of a job
 larger than a pipe's buffer (a loader's dataset) waits for it, so the workers start one after
 another: the first batch of the GPU-size learning check waited 89 s for its 15 loader workers on
 an H200 (docs/accelerators.md).
@@ -21,16 +21,20 @@ OURS = ("bench", "cache", "evals", "ingest", "manifests", "octfm", "train")  # p
 
 
 def preload_modules() -> list[str]:
-    """The heavy modules and the main module when it is one of our `python -m` modules, by its
-    name (imported as a module: its main() is guarded; a worker's own run of it as `__mp_main__`
-    then finds its imports loaded). Other `-m` mains are left out (`pytest.__main__` would run).
-    A main script run by its path is not preloaded: the standard library's server start passes
-    no `main_path` (Python 3.11 and 3.12), so its `'__main__'` entry does nothing; each worker
-    runs such a script itself, one after another (ours are all run with `-m`)."""
+    """The heavy modules and, when the program is one of our `python -m` modules, the modules of
+    ours it has imported so far, but not the main module itself: a worker runs the main module
+    again as `__mp_main__` (runpy), which then finds its imports loaded; had the server imported
+    the main module by its name, runpy warns in every worker that it found it in sys.modules
+    (stop 49's preload did, 15 warnings a loader on the H200) and the worker runs it anyway.
+    Other `-m` mains are left out (`pytest.__main__`'s imports are not ours). A main script run
+    by its path is not helped: the standard library's server start passes no `main_path`
+    (Python 3.11 and 3.12), so each worker runs such a script itself, one after another (ours
+    are all run with `-m`)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    name = getattr(spec, "name", "")
-    ours = name.split(".")[0] in OURS and not name.endswith("__main__")
-    return [*HEAVY, *([name] if ours else [])]
+    name = getattr(spec, "name", "") or ""
+    if name.split(".")[0] not in OURS or name.endswith("__main__"):
+        return list(HEAVY)
+    return [*HEAVY, *sorted(m for m in list(sys.modules) if m.split(".")[0] in OURS and m != name and m not in HEAVY)]
 
 
 def worker_context(start_method: str = "forkserver"):
