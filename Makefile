@@ -146,7 +146,8 @@ device-check:
 
 # On the GPU machine, as device-check: the learning check at GPU size from nothing (cohort, cache and runs
 # under LC_WORK, off $(OUT); the result files, the pretraining's metrics and curves and the log copied to OUT,
-# also when TIMEOUT=<seconds> cuts the check short: result_interim.* keeps the headline)
+# also when TIMEOUT=<seconds> cuts the check short: result_interim.* keeps the headline rows, and every row but the
+# token probe's once the probes stage is done)
 LC_WORK ?= /tmp/octfm-learning-check
 # SMOKE=1: every stage on the GPU at a small size first (128 participants, 150 steps, short fine-tuning;
 # about 1 minute of work on the H200 beside the first step's cost, docs/accelerators.md), one fine-tuning seed

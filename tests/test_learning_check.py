@@ -290,12 +290,14 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
     assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
         (tmp_path / "out" / "lesions" / "result.md").read_text()
-    # the headline rows were written as soon as the features existed (a lent GPU's run cut short keeps
-    # them) and are the final result's: the final probes reuse their fits
+    # the headline rows were printed as soon as the features existed, and every row but the token probe's
+    # was written before it (a lent GPU's run cut short keeps them; stop 50's was cut in the token probe)
     early = json.loads((tmp_path / "out" / "lesions" / "result_interim.json").read_text())
-    assert early["tasks"] == res["tasks"] and "label_efficiency" not in early and "token_probe" not in early
+    assert early["tasks"] == res["tasks"] and early["label_efficiency"] == res["label_efficiency"]
+    assert "token_probe" not in early and "token probe" not in early["stages"] and "probes" in early["stages"]
+    assert early["verdict"] == f"{learning_check.BEFORE_TOKENS}: {res['verdict']}"
     printed = capsys.readouterr().out
-    assert early["verdict"].startswith("INTERIM") and early["verdict"] in printed
+    assert learning_check.INTERIM in printed   # the headline rows' verdict, printed before the references
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
     assert res["verdict"] in printed
 
