@@ -58,7 +58,8 @@ class FinetuneConfig:
     class_weight: bool = True          # balanced cross-entropy
     label_smoothing: float = 0.1
     drop_path: float = 0.1             # stochastic depth, 0 at the first block to this at the last
-    patience: int = 10                 # stop after this many epochs without a better val score; 0: never
+    patience: int = 10                 # stop after this many epochs without a better val score (counted after the
+                                       # frozen epochs and the warmup); 0: never
     augment: bool = True               # the pretraining crop (data.scale), flip and intensity jitter
     scale: tuple[float, float] | None = None   # None: the encoder's own data.scale
     grad_clip: float = 1.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -349,6 +350,14 @@ class Finetuner:
             log.close()
         return self.finish()
 
+    def spends_patience(self, epoch: int) -> bool:
+        """Whether epoch `epoch` (1-based, just validated) without a better score counts toward
+        `patience`: not in the frozen epochs nor in the encoder's warmup after them, where it
+        cannot improve yet (as decision 17's references count nothing before their warmup ends).
+        Counting them left the encoder patience - frozen_epochs epochs at worst: the layers cue's
+        fine-tuning at 10% stopped 6 epochs after the thaw (docs/learning-check.md, decision 31)."""
+        return epoch > self.cfg.frozen_epochs + math.ceil(self.cfg.warmup_epochs)
+
     def stopped(self) -> bool:
         return bool(self.cfg.patience) and self.stale >= self.cfg.patience
 
@@ -394,7 +403,7 @@ class Finetuner:
                         probe.val_rank(self.best["balanced_accuracy"], self.best["auroc"]):
                     self.best, self.stale = v, 0
                     self.save_best()
-                else:
+                elif self.spends_patience(self.epoch):
                     self.stale += 1
                 bar.set_postfix(loss=f"{v['loss']:.3f}", val_bal_acc=f"{v['balanced_accuracy']:.3f}",
                                 best_epoch=self.best["epoch"], refresh=False)

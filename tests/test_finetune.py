@@ -267,3 +267,18 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
     assert same_state(runs[4].model.state_dict(), other.model.state_dict())  # the same training seed, the same weights
+
+
+def test_patience_counts_only_epochs_after_the_encoders_warmup(pretrained, tmp_path):
+    """Early stopping spends patience only once the encoder has trained through its warmup: in
+    the frozen epochs and the warmup after them it cannot improve, and counting them stopped the
+    layers cue's fine-tuning 6 epochs after the thaw with val at chance (stop 50, decision 31 in
+    docs/learning-check.md). Val peaks at epoch 1 here and never again."""
+    cfg = _cfg(pretrained, tmp_path / "patience", epochs=10, frozen_epochs=2, warmup_epochs=1, patience=2)
+    ft = _finetuner(cfg)
+    scores = iter([0.6] + [0.5] * 20)
+    ft.validate = lambda: {"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": next(scores), "auroc": 0.5}
+    res = ft.run(progress=False)
+    # epochs 1-3 (frozen, frozen, the encoder's warmup) spend none; 4 and 5 spend it
+    assert [h["epoch"] for h in ft.history] == [1, 2, 3, 4, 5] and res["epochs_run"] == 5
+    assert ft.best["epoch"] == 1
