@@ -19,6 +19,7 @@ for a run cut short); docs/learning-check.md keeps the decisions behind it.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ from cache.config import CacheConfig
 from evals import check_probes, finetune, probe, subsets, supervised, token_probe
 from evals.config import ProbeConfig
 from ingest import synth
-from octfm import cli, config, fsio, plots
+from octfm import cli, config, fsio, plots, procs
 from train import checkpoint, metrics, pretrain, runtime
 from train.config import TrainConfig
 from train.model import objective
@@ -76,11 +77,12 @@ class Size:
     config: str
     supervised_stop: supervised.Stopping = supervised.Stopping()
     supervised_args: tuple[str, ...] = ()
+    together: bool = False  # the references and fine-tuning runs at once, each in its own process (Stages.together)
 
 
 SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
          "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
-                     ("batch_size=128", "max_steps=3700"))}
+                     ("batch_size=128", "max_steps=3700"), together=True)}
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
@@ -116,6 +118,37 @@ class Stages:
         print(f"learning-check: {name} done in {self.times[name]['wall_s']}s (cpu {self.times[name]['cpu_s']}s)",
               flush=True)
         return out
+
+    def together(self, group: str, jobs: dict[str, tuple]) -> dict:
+        """Each named job, (a module-level function, its arguments), in its own process, all at
+        once: at GPU size the supervised references and the fine-tuning runs each leave the GPU
+        mostly idle (a host-bound step of batch 128, a step of batch 4; docs/accelerators.md). Each
+        job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
+        print(f"learning-check: {group}: {len(jobs)} at once ...", flush=True)
+        t0, out = time.perf_counter(), {}
+        with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=procs.worker_context()) as pool:
+            names = {pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
+            for fut in concurrent.futures.as_completed(names):
+                name = names[fut]
+                out[name], wall, cpu = fut.result()
+                self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
+                print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
+        self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
+        print(f"learning-check: {group} done in {self.times[group]['wall_s']}s", flush=True)
+        return {name: out[name] for name in jobs}
+
+
+def _call(job: tuple):
+    """A job, (a module-level function, its arguments), run here."""
+    fn, args = job
+    return fn(*args)
+
+
+def _timed(fn, *args):
+    """fn(*args) in a job's process, with its wall and CPU seconds (Stages.together)."""
+    t0, c0 = time.perf_counter(), Stages._cpu()
+    out = fn(*args)
+    return out, round(time.perf_counter() - t0, 1), round(Stages._cpu() - c0, 1)
 
 
 # What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
@@ -171,14 +204,14 @@ def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[st
 
 def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str],
                     participants: set[str] | None = None, tag: str = "",
-                    stop: supervised.Stopping = supervised.Stopping()) -> str:
+                    stop: supervised.Stopping = supervised.Stopping(), progress: bool = True) -> str:
     """The supervised reference (evals/supervised.py): the recipe's encoder trained on the
     binary task's labels (of these participants, for a label fraction) for as many steps as
     pretraining takes, or until `stop` ends it on val (the size's rule)."""
     cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
     name = supervised_name(config_path, cache, overrides, participants, tag + stop.tag)
     return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants,
-                            stop=stop)
+                            stop=stop, progress=progress)
 
 
 def supervised_name(config_path: str, cache: str, overrides: Sequence[str], participants: set[str] | None,
@@ -193,7 +226,8 @@ def supervised_name(config_path: str, cache: str, overrides: Sequence[str], part
 
 
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
-              n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None) -> np.ndarray:
+              n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
+              progress: bool = True) -> np.ndarray:
     """`make finetune` (configs/finetune.yaml as users run it; on the cpu in fp32, on cuda in bf16) of the check's
     checkpoint or, with init=random, of the same architecture from scratch, on the label
     fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
@@ -206,7 +240,7 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
-    return ft.run(progress=True)["prob"]
+    return ft.run(progress=progress)["prob"]
 
 
 def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,
@@ -433,7 +467,8 @@ def markdown(result: dict) -> str:
     else:
         lines.append("Online probe: the run logged none (`probe/<task>/knn_bal_acc` in metrics.jsonl).")
     lines += ["", "| stage | wall s | cpu s |", "|---|---|---|"]
-    lines += [f"| {k} | {v['wall_s']} | {v['cpu_s']} |" for k, v in result["stages"].items()]
+    lines += [f"| {k}{' (at once, its own process)' if v.get('together') else ''} | {v['wall_s']} | "
+              f"{'' if v['cpu_s'] is None else v['cpu_s']} |" for k, v in result["stages"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -586,11 +621,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
-          reference_fractions: Sequence[float] | None = None) -> dict:
+          reference_fractions: Sequence[float] | None = None, together: bool = False) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `supervised_args`: the references' own overrides, before `overrides` (the size's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
-    of the curve's; the curve keeps its frozen rows at the others)."""
+    of the curve's; the curve keeps its frozen rows at the others). `together`: the references
+    and fine-tuning runs each in its own process at once (the GPU size, Stages.together)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -617,25 +653,43 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "probe_standardize": pcfg.standardize}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
-    sup, sup_training = {}, {}
-    if with_supervised and spec.protocol == "splits":  # held-out scanners: no reference trained per fold
-        people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
-        for frac in sorted(fractions if reference_fractions is None else reference_fractions, reverse=True):
-            tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
-            sup[frac], sup_training[pct(frac)] = stages.run(f"supervised reference, {pct(frac)} of labels", (
-                lambda frac=frac, tag=tag: supervised_features(
-                    pcfg, supervised_ckpt(config_path, cache, out, [*supervised_args, *overrides], people[frac], tag,
-                                          supervised_stop),
-                    probe_dir)))
-    tuned = {}
-    if spec.protocol == "splits":  # held-out scanners: no fine-tuning per fold
-        for frac in sorted(finetune_fractions):
-            tuned[frac] = {init: [stages.run(
-                f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), {pct(frac)} of labels",
-                lambda init=init, frac=frac, k=k: finetuned(
-                    ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
-                    finetune_args, device, None if k == 0 else pcfg.seed + k)) for k in range(finetune_seeds)]
-                for init in ("pretrained", "random")}
+    sup, sup_training, tuned = {}, {}, {}
+    people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
+    refs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
+        if with_supervised and spec.protocol == "splits" else []  # held-out scanners: no reference per fold
+    tunes = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
+             for k in range(finetune_seeds)] if spec.protocol == "splits" else []  # nor fine-tuning
+
+    def ref_job(frac: float, progress: bool = True) -> tuple:
+        tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
+        return supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac], tag,
+                                 supervised_stop, progress)
+
+    def tune_job(frac: float, init: str, k: int, progress: bool = True) -> tuple:
+        return finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
+                           finetune_args, device, None if k == 0 else pcfg.seed + k, progress)
+
+    def ref_name(frac: float) -> str:
+        return f"supervised reference, {pct(frac)} of labels"
+
+    def tune_name(frac: float, init: str, k: int) -> str:
+        return f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), {pct(frac)} of labels"
+
+    if together and len(refs) + len(tunes) > 1:
+        done = stages.together("references and fine-tuning", {**{ref_name(fr): ref_job(fr, False) for fr in refs},
+                                                              **{tune_name(*t): tune_job(*t, False) for t in tunes}})
+        for frac in refs:
+            sup[frac], sup_training[pct(frac)] = stages.run(
+                f"supervised features, {pct(frac)} of labels",
+                lambda frac=frac: supervised_features(pcfg, done[ref_name(frac)], probe_dir))
+        tuned_probs = {t: done[tune_name(*t)] for t in tunes}
+    else:
+        for frac in refs:
+            sup[frac], sup_training[pct(frac)] = stages.run(
+                ref_name(frac), lambda frac=frac: supervised_features(pcfg, _call(ref_job(frac)), probe_dir))
+        tuned_probs = {t: stages.run(tune_name(*t), lambda t=t: _call(tune_job(*t))) for t in tunes}
+    for (frac, init, k), prob in tuned_probs.items():
+        tuned.setdefault(frac, {}).setdefault(init, []).append(prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned, head))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
@@ -724,6 +778,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reference-fraction", action="append", type=float, default=None, choices=FRACTIONS,
                     help="train the supervised reference at this label fraction only (repeatable; default every "
                          "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="train the supervised references and fine-tuning runs one after another (the GPU size "
+                         "runs them at once, each in its own process)")
     ap.add_argument("--supervised-full-budget", action="store_true",
                     help="the supervised references train all max_steps at any size (the GPU size's stop on val, "
                          "decision 17: this measures what the stopping costs them)")
@@ -754,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
               supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
               supervised_args=size.supervised_args if a.config is None else (),
-              reference_fractions=a.reference_fraction)
+              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -248,12 +248,16 @@ def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
         learning_check.main(["--finetune", "--finetune-seeds", "0"])
 
 
+FT = ["--finetune", "--finetune-fraction", "0.1", "--finetune-arg", "epochs=1", "--finetune-arg", "frozen_epochs=0"]
+
+
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
     shrunk and the device set to the CPU, the volumes resident as on the GPU
-    (data.resident=always), the token probe stage, the result files, and the supervised reference
-    at 10% of labels only (`--reference-fraction`, what a lent GPU's call holds). The GPU run
-    itself is `make learning-check-device` on a lent machine."""
+    (data.resident=always), the token probe stage, the result files, the supervised reference
+    at 10% of labels only (`--reference-fraction`, what a lent GPU's call holds), and the reference
+    and fine-tuning runs at once in their own processes, as they give one after another. The GPU
+    run itself is `make learning-check-device` on a lent machine."""
     from train import pretrain
 
     loaded = []
@@ -270,15 +274,18 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     try:
         assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
                                     "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
-                                    *PROBE, *tiny]) == 0
+                                    *FT, *PROBE, *tiny]) == 0
     finally:
         pretrain.Trainer.load_resident = real
     res = json.loads((tmp_path / "out" / "lesions" / "result.json").read_text())
     saved = (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
+    at_once = {"supervised reference, 10% of labels", "fine-tuning (pretrained init), 10% of labels",
+               "fine-tuning (random init), 10% of labels"}
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
-                                  "supervised reference, 10% of labels"}
+                                  "references and fine-tuning", "supervised features, 10% of labels", *at_once}
+    assert {k for k, v in res["stages"].items() if v.get("together")} == at_once
     points = {p["fraction"]: p for p in res["label_efficiency"]["points"]}   # frozen rows at every fraction
     assert sorted(points) == [0.1, 0.25, 1.0] and [f for f, p in points.items() if "supervised" in p] == [0.1]
     assert "supervised_reference" not in res or not res["supervised_reference"]   # the 100% reference's rows
@@ -300,6 +307,14 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert learning_check.INTERIM in printed   # the headline rows' verdict, printed before the references
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
     assert res["verdict"] in printed
+    # one after another (the CPU size's way; the cohort and cache reused, everything else afresh): the same rows
+    assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out2"),
+                                "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
+                                "--one-at-a-time", *FT, *PROBE, *tiny]) == 0
+    seq = json.loads((tmp_path / "out2" / "lesions" / "result.json").read_text())
+    assert "references and fine-tuning" not in seq["stages"] and at_once <= set(seq["stages"])
+    for key in ("finetune", "label_efficiency", "supervised_training", "tasks"):
+        assert seq[key] == res[key], key
 
 
 def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeypatch):
