@@ -251,8 +251,9 @@ class Finetuner:
         self.model.encoder.load_state_dict(st["target"])
         self.model.head.load_state_dict(st["head"])
         load_optimizer(self.opt, st["optimizer"], self.lrs)
-        self.epoch, self.step, self.stale = int(st["step"]), int(st["train_step"]), int(st["stale"])
+        self.epoch, self.step = int(st["step"]), int(st["train_step"])
         self.best, self.history = st["finetune"]["best"], list(st["history"])
+        self.stale = self.recount_stale()  # not the saved count: a run saved under an older rule resumes under this one
         self.skipped.copy_(st.get("skipped_updates", torch.zeros(())))  # absent before the guard
         return uri
 
@@ -354,9 +355,16 @@ class Finetuner:
         """Whether epoch `epoch` (1-based, just validated) without a better score counts toward
         `patience`: not in the frozen epochs nor in the encoder's warmup after them, where it
         cannot improve yet (as decision 17's references count nothing before their warmup ends).
-        Counting them left the encoder patience - frozen_epochs epochs at worst: the layers cue's
-        fine-tuning at 10% stopped 6 epochs after the thaw (docs/learning-check.md, decision 31)."""
+        Counting them left the encoder patience - frozen_epochs + 1 epochs at worst (its warmup
+        epoch among them): the layers cue's fine-tuning at 10% stopped 6 epochs after the thaw
+        (docs/learning-check.md, decision 31)."""
         return epoch > self.cfg.frozen_epochs + math.ceil(self.cfg.warmup_epochs)
+
+    def recount_stale(self) -> int:
+        """The validated epochs after the best one that spend patience (spends_patience), from the
+        history: what the loop's running count is under today's rule."""
+        best = self.best["epoch"] if self.best else 0
+        return sum(1 for h in self.history if h["epoch"] > best and self.spends_patience(h["epoch"]))
 
     def stopped(self) -> bool:
         return bool(self.cfg.patience) and self.stale >= self.cfg.patience

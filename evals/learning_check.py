@@ -83,6 +83,8 @@ class Size:
 SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
          "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
                      ("batch_size=128", "max_steps=3700"), together=True)}
+# Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
+TOGETHER_MAX = 4
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
@@ -122,15 +124,21 @@ class Stages:
     def together(self, group: str, jobs: dict[str, tuple]) -> dict:
         """Each named job, (a module-level function, its arguments), in its own process, all at
         once: at GPU size the supervised references and the fine-tuning runs each leave the GPU
-        mostly idle (a host-bound step of batch 128, a step of batch 4; docs/accelerators.md). Each
+        mostly idle by their step rates (a host-bound step of batch 128, a step of batch 4;
+        docs/accelerators.md), at most TOGETHER_MAX at once. Each
         job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
-        print(f"learning-check: {group}: {len(jobs)} at once ...", flush=True)
+        width = min(len(jobs), TOGETHER_MAX)
+        print(f"learning-check: {group}: {len(jobs)} jobs, {width} at once ...", flush=True)
         t0, out = time.perf_counter(), {}
-        with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=procs.worker_context()) as pool:
+        with concurrent.futures.ProcessPoolExecutor(width, mp_context=procs.worker_context()) as pool:
             names = {pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
             for fut in concurrent.futures.as_completed(names):
                 name = names[fut]
-                out[name], wall, cpu = fut.result()
+                try:
+                    out[name], wall, cpu = fut.result()
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)  # the queued jobs do not start; running ones end
+                    raise
                 self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
                 print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
         self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
@@ -336,9 +344,11 @@ def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
     trained on the same participants (None when no reference was trained)."""
     if "label_efficiency" not in result:  # the interim result: no curve yet
         return None
-    first = result["label_efficiency"]["points"][0]
-    if "supervised" not in first:
-        return None
+    points = result["label_efficiency"]["points"]
+    first = points[0]
+    if "supervised" not in first:  # none trained, or (--reference-fraction) only at larger fractions
+        return None if not any("supervised" in p for p in points) else \
+            (True, f"at {pct(first['fraction'])} of labels no supervised reference: the label-efficiency target not read")
     p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
     stopped = (", the supervised references stopped on val: decision 17"
                if (result.get("supervised_stop") or {}).get("every") else "")
@@ -630,6 +640,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
+    if reference_fractions is not None and not set(reference_fractions) <= set(fractions):
+        raise cli.UsageError(f"--reference-fraction {sorted(set(reference_fractions) - set(fractions))}: not on the "
+                             f"label-efficiency curve ({', '.join(map(str, fractions))})")
     if source is None:
         home = work / f"{spec.cohort_name}_seed{seed}"
         cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)

@@ -282,3 +282,30 @@ def test_patience_counts_only_epochs_after_the_encoders_warmup(pretrained, tmp_p
     # epochs 1-3 (frozen, frozen, the encoder's warmup) spend none; 4 and 5 spend it
     assert [h["epoch"] for h in ft.history] == [1, 2, 3, 4, 5] and res["epochs_run"] == 5
     assert ft.best["epoch"] == 1
+
+
+def test_a_run_saved_under_the_old_patience_count_resumes_under_the_new_rule(pretrained, tmp_path):
+    """The patience count is recounted from the saved history on resume, not read back: a run
+    saved by the code before decision 31 (its frozen epochs counted) would otherwise come back
+    already stopped."""
+    cfg = _cfg(pretrained, tmp_path / "resume", epochs=10, frozen_epochs=2, warmup_epochs=1, patience=2)
+    ft = _finetuner(cfg)
+    scores = iter([0.6, 0.5, 0.5])
+
+    def validate():
+        try:
+            return {"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": next(scores), "auroc": 0.5}
+        except StopIteration:
+            raise KeyboardInterrupt from None  # killed in epoch 4: epoch 3 was saved
+    ft.validate = validate
+    with pytest.raises(KeyboardInterrupt):
+        ft.run(progress=False)
+    uri, st = checkpoint.load_newest_good(ft.ckpt_dir)
+    assert st["step"] == 3 and st["stale"] == 0
+    st["stale"] = 2                               # what the old rule had counted by epoch 3 (epochs 2 and 3)
+    checkpoint.save(st, ft.ckpt_dir, 3, keep_last=1)
+    again = _finetuner(cfg)
+    assert again.epoch == 3 and again.stale == 0 and not again.stopped()
+    more = iter([0.5] * 20)
+    again.validate = lambda: {"epoch": again.epoch, "step": again.step, "balanced_accuracy": next(more), "auroc": 0.5}
+    assert again.run(progress=False)["epochs_run"] == 5

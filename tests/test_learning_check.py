@@ -9,6 +9,7 @@ import pytest
 
 from conftest import run_cli, tiny_train_args
 from evals import learning_check
+from octfm import cli
 
 PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
 
@@ -337,3 +338,22 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
     assert seen == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4), gpu_refs),
                     ("configs/pretrain_check.yaml", supervised.Stopping(), ()),
                     ("configs/pretrain_check_gpu.yaml", supervised.Stopping(), gpu_refs)]
+
+
+def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_read():
+    """`--reference-fraction 0.25`: the verdict names the label-efficiency target as not read,
+    rather than dropping it silently (a review of stop 50)."""
+    pt = lambda f, sup: {"fraction": f, "pretrained": {"balanced_accuracy": 0.6},  # noqa: E731
+                         **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
+    only_25 = {"label_efficiency": {"points": [pt(0.1, False), pt(0.25, True), pt(1.0, False)]}}
+    ok, text = learning_check.label_efficiency_check(only_25)
+    assert ok and "no supervised reference: the label-efficiency target not read" in text and text.startswith("at 10%")
+    assert learning_check.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, False)]}}) is None
+    assert learning_check.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, True)]}})[0] is False
+
+
+def test_a_reference_fraction_off_the_curve_is_refused_before_any_work(tmp_path):
+    with pytest.raises(cli.UsageError, match="--reference-fraction"):
+        learning_check.check(None, tmp_path / "w", tmp_path / "o", "configs/pretrain_check.yaml", [],
+                             fractions=(0.1, 1.0), reference_fractions=(0.25,))
+    assert not (tmp_path / "w").exists()
