@@ -165,6 +165,10 @@ PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain`
 # evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
 # elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
 SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
+# a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
+# participants and config defaults key its name too, so a fine-tuning edit retrains it (a resume under older
+# code came back with what that code had done: stop 50's review)
+FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py")
 
 
 def eval_device(train_device: str) -> str:
@@ -241,7 +245,7 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
     FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
     training alone on the same participants. Returns its best epoch's class probabilities for `rows`."""
-    tag = f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}")
+    tag = finetune_tag(init, fraction, train_seed)
     cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
                               *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
                               *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
@@ -249,6 +253,13 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
     return ft.run(progress=progress)["prob"]
+
+
+def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
+    """A fine-tuning run's folder name under its pretraining run: init, fraction, training seed
+    and the fine-tuning code (FINETUNE_CODE)."""
+    return (f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}") +
+            "_" + config.source_digest(*FINETUNE_CODE, length=8))
 
 
 def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,

@@ -94,7 +94,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    for tag in ("random_50pct", "random_50pct_t1"):                      # the probes' seed, then training seed 1
+    for tag in (learning_check.finetune_tag("random", 0.5, None), learning_check.finetune_tag("random", 0.5, 1)):
         assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
     assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
     assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
@@ -150,6 +150,7 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'], lc.SUPERVISED_CODE)); "
+             "print(lc.finetune_tag('pretrained', 0.1, None)); "
              "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
 
     def run():
@@ -157,7 +158,7 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         lines = r.stdout.splitlines()
-        return (lines[0], lines[1]), lines[-1].endswith("reused")
+        return (lines[0], lines[1], lines[2]), lines[-1].endswith("reused")
 
     first, _ = run()
     assert run() == (first, True)                                    # nothing changed: all reused
@@ -166,8 +167,12 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     assert run() == (first, True)                                    # a probe edit: everything kept
     with open(copy / "evals" / "supervised.py", "a") as f:
         f.write("\n# an edit\n")
-    (pre, sup), reused = run()
-    assert pre == first[0] and sup != first[1] and reused            # the reference's code: it retrains
+    (pre, sup, tune), reused = run()
+    assert pre == first[0] and sup != first[1] and tune == first[2] and reused  # the reference's code: it retrains
+    with open(copy / "evals" / "finetune.py", "a") as f:
+        f.write("\n# an edit\n")
+    (pre2, sup2, tune2), reused = run()
+    assert (pre2, sup2) == (pre, sup) and tune2 != tune and reused   # fine-tuning's code: only it trains afresh
     with open(copy / "train" / "model.py", "a") as f:
         f.write("\n# an edit\n")
     second, reused = run()
