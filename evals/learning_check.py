@@ -357,9 +357,11 @@ def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
         return None
     points = result["label_efficiency"]["points"]
     first = points[0]
-    if "supervised" not in first:  # none trained, or (--reference-fraction) only at larger fractions
-        return None if not any("supervised" in p for p in points) else \
-            (True, f"at {pct(first['fraction'])} of labels no supervised reference: the label-efficiency target not read")
+    if "supervised" not in first:
+        if not any("supervised" in p for p in points):  # no reference trained
+            return None
+        # `--reference-fraction` at larger fractions only: said, not dropped, and no FAIL from it
+        return True, f"at {pct(first['fraction'])} of labels no supervised reference: the label-efficiency target not read"
     p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
     stopped = (", the supervised references stopped on val: decision 17"
                if (result.get("supervised_stop") or {}).get("every") else "")
@@ -524,7 +526,8 @@ def plot(result: dict, path: Path) -> None:
             v = [p[name]["balanced_accuracy"] for p in have]
             lo = [p[name]["ci95"][0] if p[name]["ci95"][0] is not None else p[name]["balanced_accuracy"] for p in have]
             hi = [p[name]["ci95"][1] if p[name]["ci95"][1] is not None else p[name]["balanced_accuracy"] for p in have]
-            ax.errorbar([100 * p["fraction"] for p in have], v, yerr=[np.subtract(v, lo), np.subtract(hi, v)], marker="o", capsize=3, color=f"C{j}",
+            ax.errorbar([100 * p["fraction"] for p in have], v, yerr=[np.subtract(v, lo), np.subtract(hi, v)],
+                        marker="o", capsize=3, color=f"C{j}",
                         label=name.replace("_", "-"))
     tuned = (result.get("finetune") or {}).get("points", [])
     for j, name in enumerate(("pretrained", "random_init") if tuned else ()):
@@ -677,43 +680,33 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "probe_standardize": pcfg.standardize}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
-    sup, sup_training, tuned = {}, {}, {}
     people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
-    refs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
-        if with_supervised and spec.protocol == "splits" else []  # held-out scanners: no reference per fold
-    tunes = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
-             for k in range(finetune_seeds)] if spec.protocol == "splits" else []  # nor fine-tuning
-
-    def ref_job(frac: float, progress: bool = True) -> tuple:
-        tag = "" if frac == 1.0 else f"_{round(frac * 100)}pct"
-        return supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac], tag,
-                                 supervised_stop, progress)
-
-    def tune_job(frac: float, init: str, k: int, progress: bool = True) -> tuple:
-        return finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac, pcfg.seed, n_boot,
-                           finetune_args, device, None if k == 0 else pcfg.seed + k, progress)
-
-    def ref_name(frac: float) -> str:
-        return f"supervised reference, {pct(frac)} of labels"
-
-    def tune_name(frac: float, init: str, k: int) -> str:
-        return f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), {pct(frac)} of labels"
-
-    if together and len(refs) + len(tunes) > 1:
-        done = stages.together("references and fine-tuning", {**{ref_name(fr): ref_job(fr, False) for fr in refs},
-                                                              **{tune_name(*t): tune_job(*t, False) for t in tunes}})
-        for frac in refs:
-            sup[frac], sup_training[pct(frac)] = stages.run(
-                f"supervised features, {pct(frac)} of labels",
-                lambda frac=frac: supervised_features(pcfg, done[ref_name(frac)], probe_dir))
-        tuned_probs = {t: done[tune_name(*t)] for t in tunes}
-    else:
-        for frac in refs:
-            sup[frac], sup_training[pct(frac)] = stages.run(
-                ref_name(frac), lambda frac=frac: supervised_features(pcfg, _call(ref_job(frac)), probe_dir))
-        tuned_probs = {t: stages.run(tune_name(*t), lambda t=t: _call(tune_job(*t))) for t in tunes}
-    for (frac, init, k), prob in tuned_probs.items():
-        tuned.setdefault(frac, {}).setdefault(init, []).append(prob)
+    splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
+    ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
+        if with_supervised and splits else []
+    tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
+                 for k in range(finetune_seeds)] if splits else []
+    at_once = together and len(ref_fracs) + len(tune_keys) > 1
+    # each job: a module-level function and its arguments, so that it can run in its own process
+    refs = {frac: (f"supervised reference, {pct(frac)} of labels",
+                   (supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac],
+                                      "" if frac == 1.0 else f"_{round(frac * 100)}pct", supervised_stop, not at_once)))
+            for frac in ref_fracs}
+    tunes = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
+                               f"{pct(frac)} of labels",
+                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
+                                            pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
+                                            not at_once)))
+             for frac, init, k in tune_keys}
+    jobs = dict([*refs.values(), *tunes.values()])
+    done = stages.together("references and fine-tuning", jobs) if at_once else \
+        {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
+    sup, sup_training, tuned = {}, {}, {}
+    for frac, (name, _) in refs.items():
+        sup[frac], sup_training[pct(frac)] = stages.run(f"supervised features, {pct(frac)} of labels",
+                                                        lambda name=name: supervised_features(pcfg, done[name], probe_dir))
+    for (frac, init, _), (name, _) in tunes.items():
+        tuned.setdefault(frac, {}).setdefault(init, []).append(done[name])
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned, head))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),

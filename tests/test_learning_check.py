@@ -35,10 +35,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
-    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes",
-                                  "supervised reference, 100% of labels",
-                                  "supervised reference, 25% of labels", "supervised reference, 10% of labels",
-                                  "token probe", "probes"}
+    assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
+                                  *(f"supervised {what}, {f} of labels" for what in ("reference", "features")
+                                    for f in ("100%", "25%", "10%"))}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
         assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9
@@ -294,7 +293,7 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert {k for k, v in res["stages"].items() if v.get("together")} == at_once
     points = {p["fraction"]: p for p in res["label_efficiency"]["points"]}   # frozen rows at every fraction
     assert sorted(points) == [0.1, 0.25, 1.0] and [f for f, p in points.items() if "supervised" in p] == [0.1]
-    assert "supervised_reference" not in res or not res["supervised_reference"]   # the 100% reference's rows
+    assert res["supervised_reference"] == {}                                  # no 100% reference: none of its rows
     # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
     assert res["supervised_stop"] == {"every": 50, "patience": 4}
     assert res["supervised_args"] == ["batch_size=128", "max_steps=3700"]  # before ARGS: the tiny ones win here
@@ -348,8 +347,10 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
 def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_read():
     """`--reference-fraction 0.25`: the verdict names the label-efficiency target as not read,
     rather than dropping it silently (a review of stop 50)."""
-    pt = lambda f, sup: {"fraction": f, "pretrained": {"balanced_accuracy": 0.6},  # noqa: E731
-                         **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
+    def pt(f, sup):
+        return {"fraction": f, "pretrained": {"balanced_accuracy": 0.6},
+                **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
+
     only_25 = {"label_efficiency": {"points": [pt(0.1, False), pt(0.25, True), pt(1.0, False)]}}
     ok, text = learning_check.label_efficiency_check(only_25)
     assert ok and "no supervised reference: the label-efficiency target not read" in text and text.startswith("at 10%")
