@@ -10,6 +10,9 @@ with a paired participant bootstrap, so what the test rows share cancels out.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 
 from evals import probe, subsets
@@ -36,6 +39,14 @@ def narrowed(fs: list, rows: list[dict], participants: set[str]) -> list:
     """The folds with their train rows narrowed to these participants."""
     keep = subsets.train_mask(rows, participants)
     return [(name, tr & keep, va, te) for name, tr, va, te in fs]
+
+
+def steps_matched(cfg: ProbeConfig, fs: list) -> ProbeConfig:
+    """The probe config for a label fraction's narrowed folds: at least the optimizer steps `epochs`
+    take on the full folds' train rows (the largest fold's), so every fraction's heads get as many
+    updates as all labels' (decision 32, docs/learning-check.md); all labels keep `epochs` exactly."""
+    full = max(math.ceil(int(tr.sum()) / cfg.batch_size) for _, tr, _, _ in fs) * cfg.epochs
+    return dataclasses.replace(cfg, min_steps=max(cfg.min_steps, full))
 
 
 def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

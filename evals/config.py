@@ -20,6 +20,8 @@ class ProbeConfig:
     weight_decays: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.01, 0.1])
     epochs: int = 60
     batch_size: int = 32
+    min_steps: int = 0                 # at least this many optimizer steps: few rows train more epochs (the check's
+                                       # label-efficiency curve, decision 32); 0: `epochs` whatever the rows
     class_weight: bool = True
     standardize: bool = True           # each feature channel scaled by the training rows' statistics (decision 21)
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
@@ -32,6 +34,10 @@ class ProbeConfig:
     baselines: bool = True
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
+
+    def __post_init__(self):
+        if self.min_steps < 0:
+            raise FieldError("min_steps", f"{self.min_steps} is negative")
 
 
 @dataclasses.dataclass

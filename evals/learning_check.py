@@ -440,7 +440,8 @@ def markdown(result: dict) -> str:
     with_sup = any("supervised" in p for p in pts)  # `--reference-fraction`: a reference at some fractions only
     lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
               "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
-              f"{', the supervised reference trained on the same ones' if with_sup else ''}):", "",
+              f"{', the supervised reference trained on the same ones' if with_sup else ''}"
+              f"{head_steps(result['label_efficiency'])}):", "",
               "| labels (participants) | pretrained | random-init | " + ("supervised | " if with_sup else "") +
               "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
               "|---|---|---|---|" + ("---|---|" if with_sup else "")]
@@ -552,6 +553,12 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def head_steps(curve: dict) -> str:
+    """The heads' update count on the curve (decision 32); results from before it say nothing."""
+    n = curve.get("head_steps")
+    return f"; every fraction's heads train at least {n:,} optimizer steps, the full split's (decision 32)" if n else ""
+
+
 def pct(fraction: float) -> str:
     return f"{round(fraction * 100)}%"
 
@@ -618,23 +625,24 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
     people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
+    steps = check_probes.steps_matched(pcfg, fs)  # every fraction: the full split's updates (decision 32)
     curve, frozen, sup_chosen = [], {}, {}
     for f in sorted(people):
-        ff = check_probes.narrowed(fs, rows, people[f])
+        ff, fcfg = check_probes.narrowed(fs, rows, people[f]), pcfg if f == 1.0 else steps
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
-            frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff))
+            frozen[f] = frozen_probe(check_probes.fit_encoder(fcfg, feats["pretrained"], BINARY, rows, ff))
             continue
-        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff)
+        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(fcfg, feats[e], BINARY, rows, ff)
                 for e in ("pretrained", "random_init")}
         if f in sup:
-            encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff)
+            encs["supervised"] = check_probes.fit_encoder(fcfg, sup[f], BINARY, rows, ff)
         if f in tuned:
             frozen[f] = frozen_probe(encs["pretrained"])
             if "supervised" in encs:
                 sup_chosen[f] = encs["supervised"][check_probes.CHOSEN]["prob"]
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
-    out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION}
+    out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION, "head_steps": steps.min_steps}
     if tuned:
         out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}
     return out

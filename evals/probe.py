@@ -83,7 +83,7 @@ def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=
     tokens = feats["tokens"].astype(np.float32) if probe_heads.reads_tokens(kind) else None
     predict = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
                           classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight,
-                          standardize=cfg.standardize, device=cfg.device)
+                          standardize=cfg.standardize, device=cfg.device, min_steps=cfg.min_steps)
     probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
     scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
               for h in range(len(grid))]

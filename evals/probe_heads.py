@@ -130,15 +130,22 @@ class ChannelScaler:
         return (x - self.mean) / self.std if self.on else x
 
 
+def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
+    """`epochs`, or more where that many epochs of `rows` take fewer than `min_steps` optimizer steps
+    (decision 32: a label fraction's heads get the full split's updates, not a fraction of them)."""
+    return max(epochs, math.ceil(min_steps / max(1, math.ceil(rows / batch))))
+
+
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
                 y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True, *,
-                standardize: bool, device: str | torch.device = "cpu"):
+                standardize: bool, device: str | torch.device = "cpu", min_steps: int = 0):
     """Train one head per (lr, wd) on the training features; returns a predict function. With
     `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
     training and in prediction alike, one batch at a time. `device`: where the heads train and
     predict (at GPU size the attentive heads read 2,250 volumes x 72 pooled tokens x 384 channels;
     the headline probes took 589 s of host CPU on the H200's machine, docs/accelerators.md); the
-    features, the initial weights and the batch order are the same on any device."""
+    features, the initial weights and the batch order are the same on any device. `min_steps`: at
+    least this many optimizer steps (head_epochs)."""
     dev = torch.device(device)
     torch.manual_seed(seed)
     heads = make_heads(kind, len(grid), pooled.shape[1], classes).to(dev)
@@ -150,7 +157,7 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
     T = torch.from_numpy(tokens).float().to(dev) if tokens is not None else None
     Y = torch.from_numpy(y).long().to(dev)
     g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
+    for _ in range(head_epochs(len(y), batch, epochs, min_steps)):
         perm = torch.randperm(len(Y), generator=g).to(dev)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]

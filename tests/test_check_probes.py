@@ -42,3 +42,17 @@ def test_a_head_within_one_standard_error_of_the_best_gives_way_to_the_simpler()
     assert check_probes.one_se_choice(better_simple, y, groups, va, 2, 200, 0) == "linear"
     se = pm.paired_difference_ci(y[va], near["attentive"][1][va], near["linear"][1][va], groups[va], 2, 200, 0)
     assert 0 < se["difference"] <= se["difference_se"] < 0.1
+
+
+def test_a_label_fraction_trains_as_many_steps_as_the_full_split():
+    """Decision 32: the label-efficiency curve's heads get the full train split's optimizer steps
+    (`epochs` x its batches, the largest fold's where there are several), so 10% of the labels do
+    not mean a tenth of the updates; all labels keep `epochs` exactly."""
+    from evals.config import ProbeConfig
+
+    n = 100
+    tr = np.arange(n) < 70                                   # 70 train rows: 3 batches of 32
+    fs = [("a", tr, ~tr, ~tr), ("b", np.arange(n) < 40, ~tr, ~tr)]
+    cfg = check_probes.steps_matched(ProbeConfig(epochs=5, batch_size=32), fs)
+    assert cfg.min_steps == 15 and cfg.epochs == 5
+    assert check_probes.steps_matched(ProbeConfig(epochs=5, batch_size=32, min_steps=99), fs).min_steps == 99

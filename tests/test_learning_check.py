@@ -363,3 +363,34 @@ def test_a_reference_fraction_off_the_curve_is_refused_before_any_work(tmp_path)
         learning_check.check(None, tmp_path / "w", tmp_path / "o", "configs/pretrain_check.yaml", [],
                              fractions=(0.1, 1.0), reference_fractions=(0.25,))
     assert not (tmp_path / "w").exists()
+
+
+def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
+    """Decision 32: probe_all fits every encoder at every label fraction (and the frozen probe a
+    fine-tuning fraction is set against) with the full train split's optimizer steps; the
+    all-labels fits keep `epochs` as they are (min_steps 0 or the full split's own count)."""
+    import math
+
+    import numpy as np
+
+    from evals import check_probes
+    from evals.config import ProbeConfig
+
+    rng = np.random.default_rng(0)
+    rows = [{"label": 3 * ((i // 2) % 2), "split": ["train", "train", "val", "test"][(i // 8) % 4],
+             "participant_id": f"p{i // 2}"} for i in range(400)]     # two rows (eyes) per participant
+    feats = {e: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)} for e in ("pretrained", "random_init")}
+    sup = {0.25: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)}}
+    pcfg = ProbeConfig(heads=["linear"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16, bootstrap=20)
+    seen = []
+    real = check_probes.fit_encoder
+    monkeypatch.setattr(check_probes, "fit_encoder",
+                        lambda cfg, f, task, r, fs: seen.append((cfg.min_steps, int(fs[0][1].sum()))) or
+                        real(cfg, f, task, r, fs))
+    tuned = {0.1: {"pretrained": [np.full((400, 2), 0.5)], "random": [np.full((400, 2), 0.5)]}}
+    learning_check.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
+    n = sum(r["split"] == "train" for r in rows)
+    full = 2 * math.ceil(n / 16)                                        # epochs x the full split's batches
+    narrowed = [m for m, k in seen if k < n]
+    assert len(narrowed) == 4 and set(narrowed) == {full}               # 25%: three encoders; 10%: the frozen probe
+    assert full > 2 * math.ceil(0.25 * n / 16) and {m for m, k in seen if k == n} == {0}  # all labels: as before

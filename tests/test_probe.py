@@ -237,3 +237,26 @@ def test_a_channel_constant_in_training_is_left_unscaled():
     moved = torch.tensor([[3.0, 4.5, 1.0]])
     assert float(scaler(moved)[0, 0]) == 2.0 and float(scaler(moved)[0, 2]) == 0.0
     assert probe_heads.ChannelScaler(x, on=False)(moved) is moved
+
+
+def test_min_steps_trains_few_rows_for_more_epochs(monkeypatch):
+    """Decision 32: with `min_steps` a head on few rows trains that many optimizer steps (more
+    epochs), one on many rows its `epochs` as before; 0 leaves `epochs` alone. Counted on the
+    optimizer itself, and the config key is what reaches it."""
+    from evals import probe_heads
+    from evals.config import ProbeConfig
+
+    assert probe_heads.head_epochs(rows=164, batch=32, epochs=60, min_steps=2940) == 490   # 6 batches an epoch
+    assert probe_heads.head_epochs(rows=1565, batch=32, epochs=60, min_steps=2940) == 60   # 49 x 60 >= 2940
+    assert probe_heads.head_epochs(rows=164, batch=32, epochs=60, min_steps=0) == 60
+    steps = []
+    real = probe_heads._HeadAdamW.step
+    monkeypatch.setattr(probe_heads._HeadAdamW, "step", lambda self: steps.append(1) or real(self))
+    rng = np.random.default_rng(0)
+    pooled, labels = rng.normal(size=(40, 8)).astype(np.float32), rng.integers(0, 2, 40)
+    split = np.array(["train"] * 30 + ["val"] * 10)                 # 30 train rows: 2 batches of 16 an epoch
+    for min_steps, want in ((0, 2 * 3), (25, 2 * 13)):
+        steps.clear()
+        probe.fit_and_select("linear", ProbeConfig(lrs=[1e-2], weight_decays=[0.0], epochs=3, batch_size=16,
+                                                   min_steps=min_steps), {"pooled": pooled}, labels, split, 2)
+        assert len(steps) == want, (min_steps, len(steps))
