@@ -143,10 +143,12 @@ def sequence_saved(shp: Shapes, act: int, kernel: str) -> dict[str, int]:
     for c, t in zip(shp.context, shp.targets):
         pred += shp.pred_depth * block_saved(c + t, shp.pred_dim, shp.pred_heads, shp.mlp_ratio, act, kernel)
         pred += c * shp.dim * act                            # the embedding's input
-        pred += t * (4 * shp.pred_dim + 8 + shp.pred_dim * act)  # the final norm's input, the output linear's
+        # the final norm's input: the target rows are a view of the whole sequence, so autograd keeps its
+        # storage, context rows included; then the target rows' statistics and the output linear's input
+        pred += (c + t) * 4 * shp.pred_dim + t * (8 + shp.pred_dim * act)
         pred += t * shp.dim * 4                              # the L1's difference (float32)
         if shp.context_term:  # the context rows' norm statistics, output linear's input, L1 difference and
-            # slot weights (float32); the norm's input is the sequence's one storage, kept for the targets already
+            # slot weights (float32); their norm input is in the sequence's storage, counted above
             pred += c * (8 + shp.pred_dim * act + shp.dim * 4 + 4)
     local = sum(n * (shp.dim * act + shp.local_cells * 4) for n in shp.context) if shp.local_cells else 0
     return {"stem": stem_saved(shp, act), "encoder": enc, "predictor": pred, "local_head": local}
