@@ -41,12 +41,10 @@ def narrowed(fs: list, rows: list[dict], participants: set[str]) -> list:
     return [(name, tr & keep, va, te) for name, tr, va, te in fs]
 
 
-def steps_matched(cfg: ProbeConfig, fs: list) -> ProbeConfig:
-    """The probe config for a label fraction's narrowed folds: at least the optimizer steps `epochs`
-    take on the full folds' train rows (the largest fold's), so every fraction's heads get as many
-    updates as all labels' (decision 32, docs/learning-check.md); all labels keep `epochs` exactly."""
-    full = max(math.ceil(int(tr.sum()) / cfg.batch_size) for _, tr, _, _ in fs) * cfg.epochs
-    return dataclasses.replace(cfg, min_steps=max(cfg.min_steps, full))
+def full_split_steps(cfg: ProbeConfig, train: np.ndarray) -> int:
+    """The optimizer steps `epochs` take on these train rows: what a label fraction's heads get on
+    the fold these rows are the full train split of (decision 32, docs/learning-check.md)."""
+    return cfg.epochs * math.ceil(int(train.sum()) / cfg.batch_size)
 
 
 def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -56,17 +54,21 @@ def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np
             np.array([r["participant_id"] for r in rows]), spec["classes"])
 
 
-def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: list) -> dict:
+def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: list, full: list | None = None) -> dict:
     """{head kind, and CHOSEN: {"prob": test-row probabilities assembled over the folds (each
     test row from the fold that tests it), "val": mean over folds of the val balanced accuracy,
-    "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}."""
+    "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}.
+    `full`: for folds narrowed to a label fraction, the folds they were narrowed from: each fold's
+    heads then train at least the steps of its own full train split (full_split_steps)."""
     y, split, groups, k = task_arrays(task, rows)
     out = {kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
     out[CHOSEN]["val_best"] = []
-    for _, tr, va, te in fs:
+    for i, (_, tr, va, te) in enumerate(fs):
+        fcfg = cfg if full is None else \
+            dataclasses.replace(cfg, min_steps=max(cfg.min_steps, full_split_steps(cfg, full[i][1])))
         fitted = {}
         for kind in cfg.heads:
-            chosen, prob = probe.fit_and_select(kind, cfg, feats, y, split, k, tr, va)
+            chosen, prob = probe.fit_and_select(kind, fcfg, feats, y, split, k, tr, va)
             fitted[kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
         out[CHOSEN]["val_best"].append(max(fitted, key=lambda h: fitted[h][0]))
         pick = one_se_choice(fitted, y, groups, va, k, cfg.bootstrap, cfg.seed)

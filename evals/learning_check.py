@@ -162,6 +162,8 @@ def _timed(fn, *args):
 # What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
 COHORT_CODE = ("ingest/synth.py",)
 PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain` runs (train/ imports no evals/)
+# `make plan` sits beside the trainer but no training imports it (tested): an edit to it keeps the runs
+NOT_TRAINING = ("train/plan.py",)
 # evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
 # elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
 SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
@@ -203,7 +205,8 @@ def recipe_name(config_path: str, cache: str, overrides: Sequence[str], code: Se
     """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (the sources
     under `code`) trains afresh and an unchanged one resumes; an edit to the probes alone keeps
     the pretraining."""
-    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, config.source_digest(*code)])
+    code_key = config.source_digest(*code, exclude=NOT_TRAINING)
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, code_key])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -554,9 +557,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def head_steps(curve: dict) -> str:
-    """The heads' update count on the curve (decision 32); results from before it say nothing."""
+    """The heads' update count below all labels (decision 32); results from before it say nothing."""
     n = curve.get("head_steps")
-    return f"; every fraction's heads train at least {n:,} optimizer steps, the full split's (decision 32)" if n else ""
+    if not n:
+        return ""
+    n = [n] if isinstance(n, int) else n  # a list per fold since stop 51's review (one int at 6383ae1)
+    each = f"{n[0]:,}" if len(set(n)) == 1 else f"{min(n):,}-{max(n):,}, each fold its own"
+    return f"; below all labels the heads train as many optimizer steps as all labels' ({each}; decision 32)"
 
 
 def pct(fraction: float) -> str:
@@ -625,24 +632,27 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
     people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
-    steps = check_probes.steps_matched(pcfg, fs)  # every fraction: the full split's updates (decision 32)
     curve, frozen, sup_chosen = [], {}, {}
     for f in sorted(people):
-        ff, fcfg = check_probes.narrowed(fs, rows, people[f]), pcfg if f == 1.0 else steps
+        # below all labels each fold's heads train its full split's steps (decision 32), not `epochs` of fewer rows
+        ff, full = check_probes.narrowed(fs, rows, people[f]), None if f == 1.0 else fs
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
-            frozen[f] = frozen_probe(check_probes.fit_encoder(fcfg, feats["pretrained"], BINARY, rows, ff))
+            frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff, full))
             continue
-        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(fcfg, feats[e], BINARY, rows, ff)
+        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff, full)
                 for e in ("pretrained", "random_init")}
         if f in sup:
-            encs["supervised"] = check_probes.fit_encoder(fcfg, sup[f], BINARY, rows, ff)
+            encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff, full)
         if f in tuned:
             frozen[f] = frozen_probe(encs["pretrained"])
             if "supervised" in encs:
                 sup_chosen[f] = encs["supervised"][check_probes.CHOSEN]["prob"]
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
-    out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION, "head_steps": steps.min_steps}
+    out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION}
+    if any(f < 1.0 for f in people):  # the steps each fold's heads train below all labels (decision 32)
+        out["label_efficiency"]["head_steps"] = [max(pcfg.min_steps, check_probes.full_split_steps(pcfg, tr))
+                                                 for _, tr, _, _ in fs]
     if tuned:
         out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}
     return out

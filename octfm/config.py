@@ -196,16 +196,18 @@ def content_key(blob: Any, length: int = 20) -> str:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def source_digest(*parts: str, length: int = 12) -> str:
+def source_digest(*parts: str, length: int = 12, exclude: tuple[str, ...] = ()) -> str:
     """A content key of the project's Python sources under `parts` (folders or files relative to
     the repository root, e.g. "train", "ingest/synth.py"): results kept across runs (the learning
     check's cohort and runs) are keyed on the code that made them, so an edit makes them afresh
     instead of reusing what older code produced. Content, not the git commit: a README edit or
-    an uncommitted change counts as what it is."""
+    an uncommitted change counts as what it is. `exclude`: files under `parts` that do not make the
+    result (e.g. a planning tool beside the trainer)."""
     files = []
     for part in parts:
         p = REPO_ROOT / part
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    files = [f for f in files if f.relative_to(REPO_ROOT).as_posix() not in exclude]
     h = hashlib.sha256()
     for f in files:
         h.update(f.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")

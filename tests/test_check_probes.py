@@ -1,5 +1,7 @@
 """The learning check's head choice on val (decision 8): the simplest head kind within one
 paired-bootstrap standard error of the best, not the best val score outright."""
+import dataclasses
+
 import numpy as np
 
 from evals import check_probes, probe
@@ -44,15 +46,31 @@ def test_a_head_within_one_standard_error_of_the_best_gives_way_to_the_simpler()
     assert 0 < se["difference"] <= se["difference_se"] < 0.1
 
 
-def test_a_label_fraction_trains_as_many_steps_as_the_full_split():
-    """Decision 32: the label-efficiency curve's heads get the full train split's optimizer steps
-    (`epochs` x its batches, the largest fold's where there are several), so 10% of the labels do
-    not mean a tenth of the updates; all labels keep `epochs` exactly."""
+def test_a_label_fraction_trains_as_many_steps_as_its_full_fold(monkeypatch):
+    """Decision 32: heads on folds narrowed to a label fraction train at least the optimizer steps
+    `epochs` take on each fold's own full train rows (held-out scanners: folds of different sizes),
+    never fewer than `min_steps`; without the full folds, `epochs` as they are."""
     from evals.config import ProbeConfig
 
-    n = 100
-    tr = np.arange(n) < 70                                   # 70 train rows: 3 batches of 32
-    fs = [("a", tr, ~tr, ~tr), ("b", np.arange(n) < 40, ~tr, ~tr)]
-    cfg = check_probes.steps_matched(ProbeConfig(epochs=5, batch_size=32), fs)
-    assert cfg.min_steps == 15 and cfg.epochs == 5
-    assert check_probes.steps_matched(ProbeConfig(epochs=5, batch_size=32, min_steps=99), fs).min_steps == 99
+    rng = np.random.default_rng(0)
+    n = 200
+    rows = [{"label": 3 * (i % 2), "split": ["train", "train", "val", "test"][i % 4], "participant_id": f"p{i}"}
+            for i in range(n)]
+    split = np.array([r["split"] for r in rows])
+    small, large = (split == "train") & (np.arange(n) < 60), split == "train"      # 30 and 100 train rows
+    fs = [("small", small, split == "val", split == "test"), ("large", large, split == "val", split == "test")]
+    keep = np.arange(n) % 8 == 0                                                   # a fraction: 15 and 25 rows
+    narrow = [(name, tr & keep, va, te) for name, tr, va, te in fs]
+    seen = []
+    real = probe.fit_and_select
+    monkeypatch.setattr(probe, "fit_and_select", lambda kind, cfg, *a: seen.append(cfg.min_steps) or real(kind, cfg, *a))
+    feats = {"pooled": rng.normal(size=(n, 4)).astype(np.float32)}
+    cfg = ProbeConfig(heads=["linear"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16, bootstrap=20)
+    check_probes.fit_encoder(cfg, feats, "diabetic", rows, narrow, full=fs)
+    assert seen == [2 * 2, 2 * 7]                                                  # ceil(30/16), ceil(100/16) batches
+    seen.clear()
+    check_probes.fit_encoder(cfg, feats, "diabetic", rows, narrow)
+    assert seen == [0, 0]
+    seen.clear()
+    check_probes.fit_encoder(dataclasses.replace(cfg, min_steps=9), feats, "diabetic", rows, narrow, full=fs)
+    assert seen == [9, 14]

@@ -131,6 +131,43 @@ def test_supervised_code_covers_what_the_reference_imports_from_evals():
     assert seen == {c for c in learning_check.SUPERVISED_CODE if c.startswith("evals/")}
 
 
+def test_the_files_left_out_of_the_training_key_are_imported_by_no_training():
+    """NOT_TRAINING (train/plan.py) is left out of the digest that names pretraining runs and
+    references: true only while neither the trainer nor the reference imports it."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    mods = [m[:-3].replace("/", ".") for m in learning_check.NOT_TRAINING]
+    code = ("import sys, train.pretrain, evals.supervised; "
+            f"print(sorted(set({mods!r}) & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_not(tmp_path, monkeypatch):
+    import shutil
+
+    from conftest import REPO
+    from octfm import config
+
+    for part in learning_check.SUPERVISED_CODE:
+        (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (REPO / part).is_dir() else shutil.copy)(REPO / part, tmp_path / part)
+    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
+    cfg = str(REPO / "configs/pretrain_check.yaml")
+    names = lambda: (learning_check.recipe_name(cfg, "c", []),  # noqa: E731
+                     learning_check.recipe_name(cfg, "c", [], learning_check.SUPERVISED_CODE))
+    before = names()
+    with open(tmp_path / "train/plan.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert names() == before
+    with open(tmp_path / "train/schedule.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert all(a != b for a, b in zip(names(), before))
+
+
 @pytest.mark.slow  # six subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
@@ -366,31 +403,36 @@ def test_a_reference_fraction_off_the_curve_is_refused_before_any_work(tmp_path)
 
 
 def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
-    """Decision 32: probe_all fits every encoder at every label fraction (and the frozen probe a
-    fine-tuning fraction is set against) with the full train split's optimizer steps; the
-    all-labels fits keep `epochs` as they are (min_steps 0 or the full split's own count)."""
+    """Decision 32: probe_all fits every encoder at every label fraction below all labels (and the
+    frozen probe a fine-tuning fraction is set against) with the full train split's optimizer
+    steps; the all-labels fits, the supervised reference's included, keep `epochs` (min_steps 0);
+    the result says how many steps."""
     import math
 
     import numpy as np
 
-    from evals import check_probes
+    from evals import probe
     from evals.config import ProbeConfig
 
     rng = np.random.default_rng(0)
     rows = [{"label": 3 * ((i // 2) % 2), "split": ["train", "train", "val", "test"][(i // 8) % 4],
              "participant_id": f"p{i // 2}"} for i in range(400)]     # two rows (eyes) per participant
     feats = {e: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)} for e in ("pretrained", "random_init")}
-    sup = {0.25: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)}}
+    sup = {f: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)} for f in (0.25, 1.0)}
     pcfg = ProbeConfig(heads=["linear"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16, bootstrap=20)
     seen = []
-    real = check_probes.fit_encoder
-    monkeypatch.setattr(check_probes, "fit_encoder",
-                        lambda cfg, f, task, r, fs: seen.append((cfg.min_steps, int(fs[0][1].sum()))) or
-                        real(cfg, f, task, r, fs))
+    real = probe.fit_and_select
+    monkeypatch.setattr(probe, "fit_and_select", lambda kind, cfg, f, y, split, k, tr, va:
+                        seen.append((cfg.min_steps, int(tr.sum()))) or real(kind, cfg, f, y, split, k, tr, va))
     tuned = {0.1: {"pretrained": [np.full((400, 2), 0.5)], "random": [np.full((400, 2), 0.5)]}}
-    learning_check.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
+    out = learning_check.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
     n = sum(r["split"] == "train" for r in rows)
     full = 2 * math.ceil(n / 16)                                        # epochs x the full split's batches
-    narrowed = [m for m, k in seen if k < n]
-    assert len(narrowed) == 4 and set(narrowed) == {full}               # 25%: three encoders; 10%: the frozen probe
-    assert full > 2 * math.ceil(0.25 * n / 16) and {m for m, k in seen if k == n} == {0}  # all labels: as before
+    assert [m for m, k in seen if k < n] == [full] * 4                  # 10%: the frozen probe; 25%: three encoders
+    # all labels: the headline (2 tasks x 2 encoders), the reference's row (2 tasks) and its curve point
+    assert [m for m, k in seen if k == n] == [0] * 7
+    assert out["label_efficiency"]["head_steps"] == [full]
+    assert "as many optimizer steps as all labels'" in learning_check.head_steps(out["label_efficiency"])
+    seen.clear()
+    only_all = learning_check.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
+    assert "head_steps" not in only_all["label_efficiency"] and all(m == 0 for m, _ in seen)

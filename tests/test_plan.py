@@ -48,8 +48,9 @@ def student_step_bytes(cfg: TrainConfig, batch: int = 2) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_activation_formulas_match_what_autograd_keeps(precision):
-    cfg = config.load(TrainConfig, PRODUCTION, SMALL + [f"precision={precision}"])
+@pytest.mark.parametrize("context", [0.0, 1.0])  # loss.context: the predictor also reads out its context rows
+def test_activation_formulas_match_what_autograd_keeps(precision, context):
+    cfg = config.load(TrainConfig, PRODUCTION, SMALL + [f"precision={precision}", f"loss.context={context}"])
     shp, params = plan.shapes(cfg), plan.parameter_counts(cfg)
     act = 2 if precision == "bf16" else 4
     want = sum(plan.sequence_saved(shp, act, attention.SDPA).values()) * 2 + plan.weight_casts(params, act)
