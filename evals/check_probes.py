@@ -41,10 +41,10 @@ def narrowed(fs: list, rows: list[dict], participants: set[str]) -> list:
     return [(name, tr & keep, va, te) for name, tr, va, te in fs]
 
 
-def full_split_steps(cfg: ProbeConfig, train: np.ndarray) -> int:
-    """The optimizer steps `epochs` take on these train rows: what a label fraction's heads get on
-    the fold these rows are the full train split of (decision 32, docs/learning-check.md)."""
-    return cfg.epochs * math.ceil(int(train.sum()) / cfg.batch_size)
+def fraction_steps(cfg: ProbeConfig, full_train: np.ndarray) -> int:
+    """The optimizer steps a label fraction's heads train on a fold: those `epochs` take on the
+    fold's full train rows, or `min_steps` where more (decision 32, docs/learning-check.md)."""
+    return max(cfg.min_steps, cfg.epochs * math.ceil(int(full_train.sum()) / cfg.batch_size))
 
 
 def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -59,13 +59,12 @@ def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: 
     test row from the fold that tests it), "val": mean over folds of the val balanced accuracy,
     "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}.
     `full`: for folds narrowed to a label fraction, the folds they were narrowed from: each fold's
-    heads then train at least the steps of its own full train split (full_split_steps)."""
+    heads then train at least the steps of its own full train split (fraction_steps)."""
     y, split, groups, k = task_arrays(task, rows)
     out = {kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
     out[CHOSEN]["val_best"] = []
     for i, (_, tr, va, te) in enumerate(fs):
-        fcfg = cfg if full is None else \
-            dataclasses.replace(cfg, min_steps=max(cfg.min_steps, full_split_steps(cfg, full[i][1])))
+        fcfg = cfg if full is None else dataclasses.replace(cfg, min_steps=fraction_steps(cfg, full[i][1]))
         fitted = {}
         for kind in cfg.heads:
             chosen, prob = probe.fit_and_select(kind, fcfg, feats, y, split, k, tr, va)

@@ -561,7 +561,6 @@ def head_steps(curve: dict) -> str:
     n = curve.get("head_steps")
     if not n:
         return ""
-    n = [n] if isinstance(n, int) else n  # a list per fold since stop 51's review (one int at 6383ae1)
     each = f"{n[0]:,}" if len(set(n)) == 1 else f"{min(n):,}-{max(n):,}, each fold its own"
     return f"; below all labels the heads train as many optimizer steps as all labels' ({each}; decision 32)"
 
@@ -651,8 +650,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
     out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION}
     if any(f < 1.0 for f in people):  # the steps each fold's heads train below all labels (decision 32)
-        out["label_efficiency"]["head_steps"] = [max(pcfg.min_steps, check_probes.full_split_steps(pcfg, tr))
-                                                 for _, tr, _, _ in fs]
+        out["label_efficiency"]["head_steps"] = [check_probes.fraction_steps(pcfg, tr) for _, tr, _, _ in fs]
     if tuned:
         out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}
     return out
