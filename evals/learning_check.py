@@ -123,27 +123,41 @@ class Stages:
 
     def together(self, group: str, jobs: dict[str, tuple]) -> dict:
         """Each named job, (a module-level function, its arguments), in its own process, all at
-        once: at GPU size the supervised references and the fine-tuning runs each leave the GPU
-        mostly idle by their step rates (a host-bound step of batch 128, a step of batch 4;
-        docs/accelerators.md), at most TOGETHER_MAX at once. Each
+        once: at GPU size the supervised references, the fine-tuning runs and the curve's probe
+        heads each leave the GPU mostly idle by their step rates (a host-bound step of batch 128,
+        a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
+        at once, started in the order given. Each
         job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
-        width = min(len(jobs), TOGETHER_MAX)
-        print(f"learning-check: {group}: {len(jobs)} jobs, {width} at once ...", flush=True)
-        t0, out = time.perf_counter(), {}
-        with concurrent.futures.ProcessPoolExecutor(width, mp_context=procs.worker_context()) as pool:
-            names = {pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
-            for fut in concurrent.futures.as_completed(names):
-                name = names[fut]
-                try:
-                    out[name], wall, cpu = fut.result()
-                except BaseException:
-                    pool.shutdown(wait=True, cancel_futures=True)  # the queued jobs do not start; running ones end
-                    raise
-                self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
-                print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
+        print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
+        t0 = time.perf_counter()
+
+        def ended(name: str, wall: float, cpu: float) -> None:
+            self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
+            print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
+
+        out = in_processes(jobs, TOGETHER_MAX, ended)
         self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
         print(f"learning-check: {group} done in {self.times[group]['wall_s']}s", flush=True)
-        return {name: out[name] for name in jobs}
+        return out
+
+
+def in_processes(jobs: dict, width: int, ended=None) -> dict:
+    """{name: result} of each named job, (a module-level function, its arguments), each in its
+    own process, `width` at a time, started in the order given; `ended(name, wall s, cpu s)` as
+    each one ends. A failure ends the pool (the queued jobs do not start) and is raised."""
+    out = {}
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), width), mp_context=procs.worker_context()) as pool:
+        names = {pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
+        for fut in concurrent.futures.as_completed(names):
+            name = names[fut]
+            try:
+                out[name], wall, cpu = fut.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            if ended:
+                ended(name, wall, cpu)
+    return {name: out[name] for name in jobs}
 
 
 def _call(job: tuple):
@@ -603,26 +617,42 @@ def frozen_probe(fitted: dict) -> np.ndarray:
     return fitted[check_probes.CHOSEN]["prob"]
 
 
-def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str, n_boot: int) -> dict:
+def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str, n_boot: int,
+                    together: bool = False) -> dict:
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
-    Done once, right after the features (the interim result); probe_all builds on it."""
+    Done once, right after the features (the interim result); probe_all builds on it. `together`:
+    the four fits each in its own process at once (the GPU size: a head's step of batch 32 leaves
+    the GPU mostly idle; the same fits as one after another)."""
     fs = check_probes.folds(rows, protocol)
-    fits = {t: {e: check_probes.fit_encoder(pcfg, feats[e], t, rows, fs) for e in ("pretrained", "random_init")}
-            for t in (MULTI, BINARY)}
+    keys = [(t, e) for t in (MULTI, BINARY) for e in ("pretrained", "random_init")]
+    jobs = {k: (check_probes.fit_encoder, (pcfg, feats[k[1]], k[0], rows, fs)) for k in keys}
+    done = in_processes(jobs, len(jobs)) if together else {k: _call(job) for k, job in jobs.items()}
+    fits = {t: {e: done[(t, e)] for e in ("pretrained", "random_init")} for t in (MULTI, BINARY)}
     return {"folds": fs, "fits": fits,
             "tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, pcfg.seed) for t in (MULTI, BINARY)}}
 
 
+def curve_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, fs: list, fractions) -> dict:
+    """{(fraction, encoder): fit_encoder's result}: the pretrained and random-init encoders' binary
+    heads at each curve fraction below all labels, each fold's heads for its full split's steps
+    (decision 32). They need no reference, so at GPU size they train in their own process beside
+    the references (Stages.together) rather than after them in the probes stage."""
+    people = subsets.nested_fractions(rows, fractions, pcfg.seed)
+    return {(f, e): check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, check_probes.narrowed(fs, rows, people[f]), fs)
+            for f in sorted(people) if f < 1.0 for e in ("pretrained", "random_init")}
+
+
 def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
-              tuned: dict | None = None, head: dict | None = None) -> dict:
+              tuned: dict | None = None, head: dict | None = None, curve: dict | None = None) -> dict:
     """Heads on every encoder's features: the two tasks on all labels (`head`: headline_probes'
-    result, when done already), the binary task's label-efficiency curve, for the scanners
-    protocol each held-out scanner and, given fine-tuned probabilities ({fraction: {init: prob}}),
-    the fine-tuning rows."""
+    result, when done already), the binary task's label-efficiency curve (`curve`: curve_fits'
+    result, when done already), for the scanners protocol each held-out scanner and, given
+    fine-tuned probabilities ({fraction: {init: prob}}), the fine-tuning rows."""
     seed, tuned = pcfg.seed, tuned or {}
     head = head or headline_probes(pcfg, rows, feats, protocol, n_boot)
     fs, fits = head["folds"], head["fits"]
+    curve_fit = curve if curve is not None else curve_fits(pcfg, rows, feats, fs, fractions)
     out = {"tasks": head["tasks"]}
     if 1.0 in sup:
         out["supervised_reference"] = {
@@ -638,8 +668,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
             frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff, full))
             continue
-        encs = {e: fits[BINARY][e] if f == 1.0 else check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, ff, full)
-                for e in ("pretrained", "random_init")}
+        encs = {e: fits[BINARY][e] if f == 1.0 else curve_fit[(f, e)] for e in ("pretrained", "random_init")}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff, full)
         if f in tuned:
@@ -695,14 +724,15 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
              "probe_standardize": pcfg.standardize}
     dest = out / cue
-    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest))
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
     ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
         if with_supervised and splits else []
     tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
                  for k in range(finetune_seeds)] if splits else []
-    at_once = together and len(ref_fracs) + len(tune_keys) > 1
+    # at once, the curve's own heads join them: they need no reference (curve_fits)
+    at_once = together and len(ref_fracs) + len(tune_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
     refs = {frac: (f"supervised reference, {pct(frac)} of labels",
                    (supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac],
@@ -715,6 +745,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
                                             not at_once)))
              for frac, init, k in tune_keys}
     jobs = dict([*refs.values(), *tunes.values()])
+    if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
+        two = {e: f["feats"][e] for e in ("pretrained", "random_init")}
+        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], two, head["folds"], fractions)), **jobs}
     done = stages.together("references and fine-tuning", jobs) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
@@ -724,7 +757,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     for (frac, init, _), (name, _) in tunes.items():
         tuned.setdefault(frac, {}).setdefault(init, []).append(done[name])
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
-                                                    tuned, head))
+                                                    tuned, head, done.get(CURVE_JOB)))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
               "supervised_training": sup_training, "supervised_stop": dataclasses.asdict(supervised_stop),
               "supervised_args": list(supervised_args),
@@ -746,6 +779,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     return result
 
 
+CURVE_JOB = "label-efficiency heads, pretrained and random init"
 BEFORE_TOKENS = "INTERIM, every row but the token probe's"
 INTERIM = ("INTERIM, before the supervised references, label efficiency, fine-tuning and token probe "
            "(result.json has them when the check ends)")
@@ -758,11 +792,11 @@ def write_result(result: dict, dest: Path, stem: str) -> None:
     fsio.atomic_write_bytes(str(dest / f"{stem}.md"), markdown(result).encode())
 
 
-def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path) -> dict:
+def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, together: bool = False) -> dict:
     """The headline rows as soon as the features exist, in result_interim.json and .md, and
     their verdict printed: a run cut short (a lent GPU's minutes) keeps the check's main number.
     Returns headline_probes' result, which the final probes reuse."""
-    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot)
+    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot, together)
     res = {**about, "interim": INTERIM, "tasks": head["tasks"]}
     res["verdict"] = f"{INTERIM}: {verdict(res)}"
     write_result(res, dest, "result_interim")
