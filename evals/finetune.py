@@ -354,11 +354,11 @@ class Finetuner:
     def spends_patience(self, epoch: int) -> bool:
         """Whether epoch `epoch` (1-based, just validated) without a better score counts toward
         `patience`: not in the frozen epochs nor in the encoder's warmup after them, where it
-        cannot improve yet (as decision 17's references count nothing before their warmup ends).
-        Counting them left the encoder patience - frozen_epochs + 1 epochs at worst (its warmup
-        epoch among them): the layers cue's fine-tuning at 10% stopped 6 epochs after the thaw
-        (docs/learning-check.md, decision 31)."""
-        return epoch > self.cfg.frozen_epochs + math.ceil(self.cfg.warmup_epochs)
+        cannot improve yet (decision 31: counting them stopped the layers cue's fine-tuning at 10%
+        6 epochs after the thaw), and not in the first half of the run's epochs (decision 35: a
+        random-init encoder at 10% of labels left chance only after epoch 20 of 40, where
+        patience had stopped it; docs/learning-check.md)."""
+        return epoch > max(self.cfg.frozen_epochs + math.ceil(self.cfg.warmup_epochs), math.ceil(self.epochs / 2))
 
     def recount_stale(self) -> int:
         """The validated epochs after the best one that spend patience (spends_patience), from the

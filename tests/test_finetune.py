@@ -269,18 +269,22 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert same_state(runs[4].model.state_dict(), other.model.state_dict())  # the same training seed, the same weights
 
 
-def test_patience_counts_only_epochs_after_the_encoders_warmup(pretrained, tmp_path):
-    """Early stopping spends patience only once the encoder has trained through its warmup: in
-    the frozen epochs and the warmup after them it cannot improve, and counting them stopped the
-    layers cue's fine-tuning 6 epochs after the thaw with val at chance (stop 50, decision 31 in
-    docs/learning-check.md). Val peaks at epoch 1 here and never again."""
-    cfg = _cfg(pretrained, tmp_path / "patience", epochs=10, frozen_epochs=2, warmup_epochs=1, patience=2)
+@pytest.mark.parametrize("epochs, frozen, last", [(12, 6, 9), (10, 2, 7)])
+def test_patience_counts_only_epochs_after_the_encoders_warmup_and_half_the_run(pretrained, tmp_path, epochs,
+                                                                                frozen, last):
+    """Early stopping spends patience only once the encoder has trained through its warmup (in
+    the frozen epochs and the warmup after them it cannot improve; counting them stopped the layers
+    cue's fine-tuning 6 epochs after the thaw with val at chance: decision 31 in
+    docs/learning-check.md) and only in the run's second half (a slow starter, random init at 10%
+    of labels, left chance after half its epochs: decision 35). Val peaks at epoch 1 here and never
+    again; patience 2. 12 epochs, 6 frozen: the warmup ends at epoch 7, later than half (6), so 8
+    and 9 spend it. 10 epochs, 2 frozen: half (5) is later than the warmup's end (3): 6 and 7."""
+    cfg = _cfg(pretrained, tmp_path / "patience", epochs=epochs, frozen_epochs=frozen, warmup_epochs=1, patience=2)
     ft = _finetuner(cfg)
     scores = iter([0.6] + [0.5] * 20)
     ft.validate = lambda: {"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": next(scores), "auroc": 0.5}
     res = ft.run(progress=False)
-    # epochs 1-3 (frozen, frozen, the encoder's warmup) spend none; 4 and 5 spend it
-    assert [h["epoch"] for h in ft.history] == [1, 2, 3, 4, 5] and res["epochs_run"] == 5
+    assert [h["epoch"] for h in ft.history] == list(range(1, last + 1)) and res["epochs_run"] == last
     assert ft.best["epoch"] == 1
 
 
@@ -308,4 +312,4 @@ def test_a_run_saved_under_the_old_patience_count_resumes_under_the_new_rule(pre
     assert again.epoch == 3 and again.stale == 0 and not again.stopped()
     more = iter([0.5] * 20)
     again.validate = lambda: {"epoch": again.epoch, "step": again.step, "balanced_accuracy": next(more), "auroc": 0.5}
-    assert again.run(progress=False)["epochs_run"] == 5
+    assert again.run(progress=False)["epochs_run"] == 7   # epochs 6 and 7 spend it (after half of 10)
