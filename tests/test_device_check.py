@@ -23,7 +23,10 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     ct = res["cuda_tests"]
     assert ct["tests"] == ct["skipped"] >= 6 and not ct["failed"]  # no GPU here: every CUDA test skips
     t = res["train"]["vit_b"]  # the dry run runs one size (a GPU runs smoke, vit_s and vit_b through the same code)
-    assert t["step_s"] > 0 and t["flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_s"] > 0
+    assert t["step_s"] > 0 and t["flops_per_step"] > 0 and t["mfu"] > 0 and t["tokens_per_s"] > 0
+    # a CPU has no datasheet peak: MFU is taken against the bf16 matmul measured at one size, which the step's
+    # own mix can outrun (on an AMD EPYC without bf16 units it did: 1.05), so no upper bound holds here
+    assert res["environment"]["datasheet_bf16_tflops"] is None and t["mfu"] == pytest.approx(t["mfu_of_measured_matmul"])
     assert t["batch"] == 2  # the plan's largest batch, capped for the dry run
     assert "vit_b_compiled" not in res["train"]  # no budget left for the optional compiled step
     ck = res["check"]  # the GPU-size learning check's step, on a cache of its shape
