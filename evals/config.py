@@ -58,6 +58,8 @@ class FinetuneConfig:
     lr: float = 3.0e-4                 # peak learning rate of the last encoder block
     layer_decay: float = 1.0           # each block below the last: lr x layer_decay once more
     head_lr: float = 1.0e-3
+    standardize: bool = True           # the head reads channels standardised by the starting encoder's train-row
+                                       # statistics, as the probes' heads do (decision 37); false: as before
     weight_decay: float = 0.05         # on weights, not on biases and norms
     warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
     frozen_epochs: int = 5             # head only (encoder frozen, in eval mode) for these first epochs

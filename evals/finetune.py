@@ -205,6 +205,9 @@ class Finetuner:
         self.split = np.array([r["split"] for r in self.rows])
         torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
         self.model = Classifier(bb.encoder, cfg.head, self.spec["classes"], cfg.token_pool).to(rt.device)
+        self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
+        if cfg.standardize:
+            self.model.head = self.scaled_head()
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
@@ -216,11 +219,32 @@ class Finetuner:
         self.ckpt_dir = self.folder.checkpoints()
         per_epoch = data.EpochSampler(int(self.train.sum()), cfg.batch_size, world=rt.world).batches_per_epoch
         self.epochs = budget_epochs(cfg, per_epoch)
-        self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
         self.skipped = torch.zeros((), device=rt.device)  # updates refused for a non-finite loss or gradient
         self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
         self.history: list[dict] = []
         self.resumed = self._maybe_resume()
+
+    @torch.no_grad()
+    def scaled_head(self) -> probe_heads.ScaledHeads:
+        """The head behind ChannelScalers of the starting encoder's features over the train rows
+        (centre crops, no augmentation, the encoder in eval mode): what the probes' heads read
+        (decision 21), so the head-only epochs start from features on one scale (decision 37).
+        Fixed through the run and saved with the head; a resumed run loads the saved ones over these."""
+        enc, d, kind = self.model.encoder, self.tcfg.data, self.cfg.head
+        rows = [r for r, t in zip(self.rows, self.train) if t]
+        was_training, pooled, tokens = enc.training, [], []
+        enc.eval()
+        for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
+                                           pad=self.rt.kind == "xla"):
+            with self.rt.autocast():
+                h = enc(data.normalize(x.to(self.rt.device))).float()
+            pooled.append(enc.pool(h)[:n].cpu())
+            if probe_heads.reads_tokens(kind):
+                tokens.append(enc.pool_grid(h, self.cfg.token_pool)[:n].cpu())
+        enc.train(was_training)
+        scale_t = probe_heads.ChannelScaler(torch.cat(tokens).numpy()) if tokens else None
+        return probe_heads.ScaledHeads(self.model.head, probe_heads.ChannelScaler(torch.cat(pooled).numpy()),
+                                       scale_t).to(self.rt.device)
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:

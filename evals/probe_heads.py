@@ -93,18 +93,20 @@ def class_weights(y, classes: int) -> torch.Tensor:
     return torch.tensor(np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / classes, 0.0), dtype=torch.float32)
 
 
-class ChannelScaler:
+class ChannelScaler(nn.Module):
     """Each feature channel to zero mean and unit variance, by the statistics of the rows a head
     trains on (for the tokens, over every token of those rows). Self-supervised features are
     anisotropic even after the heads' per-token norm: a few directions hold most of the variance,
     and an attentive head's queries then read little else (docs/learning-check.md, decisions 20-21;
     MAE probes through a per-channel BatchNorm for the same reason). A channel constant on those
     rows is left unscaled (it would otherwise be multiplied by a million wherever it moves).
-    `on` False: the identity, with no statistics computed."""
+    `on` False: the identity, with no statistics computed. The statistics are buffers: a fine-tuned
+    head saves and exports them with its weights (decision 37)."""
 
     CHUNK = 256  # rows per pass: float64 statistics without a float64 copy of every token
 
     def __init__(self, x: np.ndarray, on: bool = True):
+        super().__init__()
         self.on = on
         if not on:
             return
@@ -117,17 +119,31 @@ class ChannelScaler:
         for i in range(0, len(x), self.CHUNK):
             sq += np.square(x[i:i + self.CHUNK].reshape(-1, d).astype(np.float64) - mean).sum(0)
         std = np.sqrt(sq / n)
-        self.mean = torch.from_numpy(mean.astype(np.float32))
-        self.std = torch.from_numpy(np.where(std > 1e-6, std + 1e-6, 1.0).astype(np.float32))
+        self.register_buffer("mean", torch.from_numpy(mean.astype(np.float32)))
+        self.register_buffer("std", torch.from_numpy(np.where(std > 1e-6, std + 1e-6, 1.0).astype(np.float32)))
 
-    def to(self, device: torch.device) -> "ChannelScaler":
-        if self.on:
-            self.mean, self.std = self.mean.to(device), self.std.to(device)
-        return self
+    @classmethod
+    def of_width(cls, dim: int) -> "ChannelScaler":
+        """Buffers of `dim` channels to load saved statistics into (load_state_dict)."""
+        return cls(np.zeros((1, dim), np.float32))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [..., d], scaled where `on`."""
         return (x - self.mean) / self.std if self.on else x
+
+
+class ScaledHeads(nn.Module):
+    """Heads that read their inputs through fixed ChannelScalers (the tokens' only for a head that
+    reads tokens): fine-tuning's head, whose statistics are the starting encoder's over the train
+    rows (evals/finetune.py; decision 37)."""
+
+    def __init__(self, heads: nn.Module, scale_p: ChannelScaler, scale_t: ChannelScaler | None = None):
+        super().__init__()
+        self.heads, self.scale_p, self.scale_t = heads, scale_p, scale_t
+
+    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.scale_t(tokens.float()) if self.scale_t is not None and tokens is not None else tokens
+        return self.heads(self.scale_p(pooled.float()), t)
 
 
 def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
@@ -239,6 +255,10 @@ def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> C
         raise ValueError(f"{Path(folder) / encoder.CONFIG_FILE}: no task head (a pretrained encoder; `make finetune` "
                          "then `make export` writes one)")
     h = cfg["head"]
-    head = make_heads(h["kind"], 1, cfg["architecture"]["dim"], len(h["classes"]))
-    head.load_state_dict(load_file(str(Path(folder) / h["file"])))
+    dim, state = cfg["architecture"]["dim"], load_file(str(Path(folder) / h["file"]))
+    head = make_heads(h["kind"], 1, dim, len(h["classes"]))
+    if "scale_p.mean" in state:  # a head that reads standardised channels (decision 37); older folders do not
+        head = ScaledHeads(head, ChannelScaler.of_width(dim),
+                           ChannelScaler.of_width(dim) if "scale_t.mean" in state else None)
+    head.load_state_dict(state)
     return CachedVolumeClassifier(encoder.load_encoder(folder), head, h["kind"], h["token_pool"], h["classes"]).to(device).eval()

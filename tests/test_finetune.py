@@ -89,7 +89,7 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
     # each block below x layer_decay, the stem and patchify lowest
     expect = {"encoder.patch.weight": 1e-3 * 0.5 ** 2, "encoder.blocks.0.attn.qkv.weight": 1e-3 * 0.5,
               "encoder.blocks.0.norm1.bias": 1e-3 * 0.5, "encoder.blocks.1.mlp.0.weight": 1e-3,
-              "encoder.norm.weight": 1e-3, "head.w": 7e-3, "head.b": 7e-3}
+              "encoder.norm.weight": 1e-3, "head.heads.w": 7e-3, "head.heads.b": 7e-3}
     names = [n for g in ft.groups for n in g["names"]]
     assert sorted(names) == sorted(n for n, _ in ft.model.named_parameters())  # every parameter in exactly one group
     peak = {n: g["peak_lr"] for g in ft.groups for n in g["names"]}
@@ -97,7 +97,7 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
         assert peak[name] == pytest.approx(lr), name
     decay = {n: g["weight_decay"] for g in ft.groups for n in g["names"]}
     assert decay["encoder.blocks.0.attn.qkv.weight"] == 0.05 and decay["encoder.blocks.0.norm1.bias"] == 0.0
-    assert decay["head.w"] == 0.05 and decay["head.b"] == 0.0  # the head's bias: no decay ("weights only")
+    assert decay["head.heads.w"] == 0.05 and decay["head.heads.b"] == 0.0  # the head's bias: no decay ("weights only")
     # AdamW's groups are these groups, each with its own device lr tensor (the loop writes peak x factor into it)
     for og, g, lr in zip(ft.opt.param_groups, ft.groups, ft.lrs, strict=True):
         assert og["lr"] is lr and len(og["params"]) == len(g["params"])
@@ -108,6 +108,42 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
     assert [float(finetune.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
         pytest.approx([0.1, 1.0, 0.5, 0.0], abs=1e-6)
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
+
+
+def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
+    """The train rows' pooled vectors and pooled token grids (centre crops), through the exported
+    encoder's path (encoder.wrap), as the probes' features are computed."""
+    from train import encoder
+
+    wrapped = encoder.wrap(ft.model.encoder, ft.tcfg.data.stride, ft.tcfg.data.input_shape)
+    rows = [r for r, t in zip(ft.rows, ft.train) if t]
+    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in rows])
+    out = wrapped(vols)
+    return out.pooled.numpy(), ft.model.encoder.pool_grid(out.tokens, ft.cfg.token_pool).numpy()
+
+
+@pytest.mark.parametrize("head", ["linear", "attentive"])
+def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path, head):
+    """Decision 37 (docs/learning-check.md): the probes' heads read standardised channels (decision
+    21) and fine-tuning's head now does too, by the statistics of the encoder it starts from over the
+    label fraction's train rows; a token head scales its tokens as well. `standardize=false`: the head
+    as before. The statistics stay fixed while the encoder trains."""
+    ft = _finetuner(_cfg(pretrained, tmp_path / head, head=head, label_fraction=0.5, epochs=1))
+    pooled, tokens = _train_embeddings(ft)
+    assert ft.train.sum() < len(ft.train)  # a label fraction: the statistics are its rows'
+    scaled = ft.model.head.scale_p(torch.from_numpy(pooled)).numpy()
+    moving = pooled.std(0) > 1e-4
+    assert np.allclose(scaled.mean(0), 0, atol=1e-3) and np.allclose(scaled.std(0)[moving], 1, atol=1e-2)
+    if head == "attentive":
+        t = ft.model.head.scale_t(torch.from_numpy(tokens)).numpy().reshape(-1, tokens.shape[-1])
+        assert np.allclose(t.mean(0), 0, atol=1e-3)
+    else:
+        assert ft.model.head.scale_t is None
+    before = {k: v.clone() for k, v in ft.model.head.state_dict().items() if k.startswith("scale")}
+    ft.run(progress=False)
+    assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
+    plain = _finetuner(_cfg(pretrained, tmp_path / f"{head}_plain", head=head, standardize="false"))
+    assert not hasattr(plain.model.head, "scale_p") and "scale_p.mean" not in plain.model.head.state_dict()
 
 
 @pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
@@ -266,7 +302,10 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
-    assert same_state(runs[4].model.state_dict(), other.model.state_dict())  # the same training seed, the same weights
+    weights = {k: v for k, v in runs[4].model.state_dict().items() if ".scale_" not in k}
+    assert same_state(weights, {k: v for k, v in other.model.state_dict().items() if ".scale_" not in k})  # the same
+    # training seed, the same weights; the head's channel statistics are those of each run's participants (decision 37)
+    assert not same_state(runs[4].model.head.scale_p.state_dict(), other.model.head.scale_p.state_dict())
 
 
 @pytest.mark.parametrize("epochs, frozen, last", [(12, 6, 9), (10, 2, 7)])
