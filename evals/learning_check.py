@@ -26,7 +26,7 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -254,14 +254,20 @@ def supervised_name(config_path: str, cache: str, overrides: Sequence[str], part
     return name + "_" + hashlib.sha256("\n".join(sorted(participants)).encode()).hexdigest()[:8]
 
 
+class Tuned(NamedTuple):
+    prob: np.ndarray   # the best epoch's class probabilities for the check's rows
+    run: dict          # best epoch, epochs run and val balanced accuracy per epoch (result.json's finetune.runs)
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
-              progress: bool = True) -> np.ndarray:
+              progress: bool = True) -> Tuned:
     """`make finetune` (configs/finetune.yaml as users run it; on the cpu in fp32, on cuda in bf16) of the check's
     checkpoint or, with init=random, of the same architecture from scratch, on the label
     fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
     FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
-    training alone on the same participants. Returns its best epoch's class probabilities for `rows`."""
+    training alone on the same participants. Returns its best epoch's class probabilities for `rows`
+    and its val curve (a lent GPU's call brings back only what the result holds)."""
     tag = finetune_tag(init, fraction, train_seed)
     cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
                               *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
@@ -269,7 +275,10 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
-    return ft.run(progress=progress)["prob"]
+    res = ft.run(progress=progress)
+    return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed,
+                               "best_epoch": res["probes"][0]["best_epoch"], "epochs_run": res["epochs_run"],
+                               "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]})
 
 
 def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
@@ -492,6 +501,13 @@ def markdown(result: dict) -> str:
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}."
                             for p in result["finetune"]["points"])]
+        if result["finetune"].get("runs"):
+            lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "
+                      "frozen_epochs first):", "",
+                      *(f"- {pct(r['fraction'])}, {r['init']} init" + ("" if r["train_seed"] is None else
+                                                                       f", training seed {r['train_seed']}") +
+                        f": best epoch {r['best_epoch']} of {r['epochs_run']}; " + " ".join(f"{v:.2f}" for v in r["val"])
+                        for r in result["finetune"]["runs"])]
         lines.append("")
     if result.get("token_probe"):
         lines += [f"Is the lesion in the tokens? {result['token_probe']['line']} (evals/token_probe.py).", ""]
@@ -755,7 +771,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         sup[frac], sup_training[pct(frac)] = stages.run(f"supervised features, {pct(frac)} of labels",
                                                         lambda name=name: supervised_features(pcfg, done[name], probe_dir))
     for (frac, init, _), (name, _) in tunes.items():
-        tuned.setdefault(frac, {}).setdefault(init, []).append(done[name])
+        tuned.setdefault(frac, {}).setdefault(init, []).append(done[name].prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned, head, done.get(CURVE_JOB)))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
@@ -766,6 +782,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         result["pretraining"] = TRANSDUCTIVE
     result["verdict"] = verdict(result)
     if "finetune" in result:
+        result["finetune"]["runs"] = [done[name].run for name, _ in tunes.values()]
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
         result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
     if spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists():  # a generated cohort's answer key

@@ -96,6 +96,14 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     for tag in (learning_check.finetune_tag("random", 0.5, None), learning_check.finetune_tag("random", 0.5, 1)):
         assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
     assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
+    runs = res2["finetune"]["runs"]                      # each run's val per epoch: a lent GPU's call returns only $OUT
+    assert len(runs) == 8 and {(r["fraction"], r["init"], r["train_seed"]) for r in runs} == \
+        {(f, i, t) for f in (0.5, 1.0) for i in ("pretrained", "random") for t in (None, 1)}
+    rand = next(r for r in runs if (r["fraction"], r["init"], r["train_seed"]) == (0.5, "random", 1))
+    m = json.loads((tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" /
+                    learning_check.finetune_tag("random", 0.5, 1) / "diabetic" / "metrics.json").read_text())
+    assert rand["val"] == [round(h["balanced_accuracy"], 4) for h in m["history"]] and rand["epochs_run"] == 1
+    assert rand["best_epoch"] == m["probes"][0]["best_epoch"]
     assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
