@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from evals import features, probe, probe_heads, subsets, supervised
+from evals import check_probes, features, probe, probe_heads, subsets, supervised
 from evals import probe_metrics as pm
-from evals.config import FinetuneConfig
+from evals.config import FinetuneConfig, ProbeConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots, procs
 from train import checkpoint, data, encoder, metrics, runtime, schedule
@@ -206,8 +206,9 @@ class Finetuner:
         torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
         self.model = Classifier(bb.encoder, cfg.head, self.spec["classes"], cfg.token_pool).to(rt.device)
         self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
-        if cfg.standardize:
-            self.model.head = self.scaled_head()
+        self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
+        if cfg.standardize or cfg.head_init == "probe":
+            self.model.head = self.start_head()
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
@@ -225,13 +226,11 @@ class Finetuner:
         self.resumed = self._maybe_resume()
 
     @torch.no_grad()
-    def scaled_head(self) -> probe_heads.ScaledHeads:
-        """The head behind ChannelScalers of the starting encoder's features over the train rows
-        (centre crops, no augmentation, the encoder in eval mode): what the probes' heads read
-        (decision 21), so the head-only epochs start from features on one scale (decision 37).
-        Fixed through the run and saved with the head; a resumed run loads the saved ones over these."""
-        enc, d, kind = self.model.encoder, self.tcfg.data, self.cfg.head
-        rows = [r for r, t in zip(self.rows, self.train) if t]
+    def start_features(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The starting encoder's pooled vectors (and, for a token head, pooled token grids) of the
+        masked rows' centre crops, no augmentation, the encoder in eval mode: what the probes read."""
+        enc, d = self.model.encoder, self.tcfg.data
+        rows = [r for r, m in zip(self.rows, mask) if m]
         was_training, pooled, tokens = enc.training, [], []
         enc.eval()
         for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
@@ -239,12 +238,34 @@ class Finetuner:
             with self.rt.autocast():
                 h = enc(data.normalize(x.to(self.rt.device))).float()
             pooled.append(enc.pool(h)[:n].cpu())
-            if probe_heads.reads_tokens(kind):
+            if probe_heads.reads_tokens(self.cfg.head):
                 tokens.append(enc.pool_grid(h, self.cfg.token_pool)[:n].cpu())
         enc.train(was_training)
-        scale_t = probe_heads.ChannelScaler(torch.cat(tokens).numpy()) if tokens else None
-        return probe_heads.ScaledHeads(self.model.head, probe_heads.ChannelScaler(torch.cat(pooled).numpy()),
-                                       scale_t).to(self.rt.device)
+        return torch.cat(pooled).numpy(), torch.cat(tokens).numpy() if tokens else None
+
+    def start_head(self) -> probe_heads.ScaledHeads:
+        """The head behind ChannelScalers of the starting encoder's features over the train rows
+        (what the probes' heads read, decision 21; decision 37), fixed through the run and saved
+        with the head (a resumed run loads the saved ones over these). With `head_init: probe` its
+        weights are a probe's, fitted on those features as the probes fit theirs (configs/probe.yaml's
+        grid, at least the full train split's steps: decision 32) and chosen on the val rows, so the
+        encoder thaws under a head that already reads it (LP-FT; decision 38)."""
+        cfg = self.cfg
+        if cfg.head_init == "zero":
+            pooled, tokens = self.start_features(self.train)
+            return probe_heads.ScaledHeads(self.model.head, probe_heads.ChannelScaler(pooled),
+                                           probe_heads.ChannelScaler(tokens) if tokens is not None else None
+                                           ).to(self.rt.device)
+        fit = self.train | (self.split == "val")
+        pooled, tokens = self.start_features(fit)
+        pcfg = ProbeConfig(heads=[cfg.head], standardize=cfg.standardize, token_pool=cfg.token_pool,
+                           seed=training_seed(cfg), device="cpu" if self.rt.kind == "xla" else str(self.rt.device))
+        pcfg.min_steps = check_probes.fraction_steps(pcfg, self.split == "train")
+        g = probe.fit_grid(cfg.head, pcfg, {"pooled": pooled, "tokens": tokens}, self.y[fit], self.split[fit],
+                           self.spec["classes"], self.train[fit], self.split[fit] == "val")
+        self.head_fit = {"lr": g.grid[g.best][0], "weight_decay": g.grid[g.best][1], "steps": pcfg.min_steps,
+                         "val_balanced_accuracy": g.val[0], "val_auroc": g.val[1]}
+        return g.heads.heads.one(g.best).to(self.rt.device)
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
@@ -459,7 +480,7 @@ class Finetuner:
         name = f"finetuned_{self.cfg.init}"
         res = {"encoder": name, "head": self.cfg.head, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
                "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
-               "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["step"],
+               "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["step"], "head_fit": self.head_fit,
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
                "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
         result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,

@@ -184,7 +184,8 @@ SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py"
 # a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
 # participants and config defaults key its name too, so a fine-tuning edit retrains it (a resume under older
 # code came back with what that code had done: stop 50's review)
-FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py")
+FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py", "evals/probe.py",
+                 "evals/check_probes.py")
 
 
 def eval_device(train_device: str) -> str:

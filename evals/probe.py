@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
@@ -20,7 +20,7 @@ from evals import features
 from evals.config import ProbeConfig
 from evals import probe_metrics as pm
 from evals import probe_heads
-from evals.probe_heads import train_heads
+from evals.probe_heads import HeadGrid, train_heads
 from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
 from octfm import cli, config, plots
@@ -75,21 +75,35 @@ def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
     return float(np.nan_to_num(balanced_accuracy, nan=-1)), float(np.nan_to_num(auroc, nan=-1))
 
 
-def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None):
-    """Train the lr x wd grid on train, pick the best head on val balanced accuracy."""
+class GridFit(NamedTuple):
+    heads: HeadGrid           # every head of the grid, trained
+    grid: list                # (lr, weight decay) per head
+    probs: np.ndarray         # [H, n, C] every head's probabilities for every row
+    best: int                 # the head val ranks first (val_rank)
+    val: tuple[float, float]  # its val balanced accuracy and AUROC
+
+
+def fit_grid(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None) -> GridFit:
+    """Train the lr x wd grid on train; rank its heads on val."""
     grid = [(lr, wd) for lr in cfg.lrs for wd in cfg.weight_decays]
     tr = (split == "train") if train_mask is None else train_mask
     va = (split == "val") if val_mask is None else val_mask
     tokens = feats["tokens"].astype(np.float32) if probe_heads.reads_tokens(kind) else None
-    predict = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
-                          classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight,
-                          standardize=cfg.standardize, device=cfg.device, min_steps=cfg.min_steps)
-    probs = predict(feats["pooled"], tokens)                                   # [H, n, C]
+    heads = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
+                        classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight,
+                        standardize=cfg.standardize, device=cfg.device, min_steps=cfg.min_steps)
+    probs = heads(feats["pooled"], tokens)                                     # [H, n, C]
     scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
               for h in range(len(grid))]
     best = max(range(len(grid)), key=lambda h: val_rank(*scores[h]))
-    return {"lr": grid[best][0], "weight_decay": grid[best][1], "val_balanced_accuracy": scores[best][0],
-            "val_auroc": scores[best][1]}, probs[best]
+    return GridFit(heads, grid, probs, best, scores[best])
+
+
+def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None):
+    """Train the lr x wd grid on train, pick the best head on val balanced accuracy."""
+    f = fit_grid(kind, cfg, feats, y, split, classes, train_mask, val_mask)
+    return {"lr": f.grid[f.best][0], "weight_decay": f.grid[f.best][1], "val_balanced_accuracy": f.val[0],
+            "val_auroc": f.val[1]}, f.probs[f.best]
 
 
 def evaluate(prob, y, groups, mask, classes, cfg) -> dict:

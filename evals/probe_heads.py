@@ -8,6 +8,7 @@ Heads share nothing, so one summed loss trains them all. The same heads
 sit on a fine-tuned encoder (`make finetune`); `load_classifier` reads one from its model folder."""
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -145,6 +146,32 @@ class ScaledHeads(nn.Module):
         t = self.scale_t(tokens.float()) if self.scale_t is not None and tokens is not None else tokens
         return self.heads(self.scale_p(pooled.float()), t)
 
+    def one(self, h: int) -> "ScaledHeads":
+        """The grid's head `h` alone (every head keeps its weights stacked on dim 0), behind the same
+        scalers: a fitted probe head as fine-tuning's first head (decision 38)."""
+        heads = copy.deepcopy(self.heads)
+        for p in heads.parameters():
+            p.data = p.data[h:h + 1].clone()
+        return ScaledHeads(heads, copy.deepcopy(self.scale_p), copy.deepcopy(self.scale_t))
+
+
+class HeadGrid:
+    """A grid of heads trained at once (train_heads); called on features, every head's class
+    probabilities [H, n, C], one batch at a time on the device they trained on."""
+
+    def __init__(self, heads: ScaledHeads, device: torch.device):
+        self.heads, self.device = heads, device
+
+    @torch.no_grad()
+    def __call__(self, pooled_x: np.ndarray, tokens_x: np.ndarray | None) -> np.ndarray:
+        self.heads.eval()
+        out = []
+        for i in range(0, len(pooled_x), 256):
+            p = torch.from_numpy(pooled_x[i:i + 256]).float().to(self.device)
+            t = torch.from_numpy(tokens_x[i:i + 256]).float().to(self.device) if tokens_x is not None else None
+            out.append(torch.softmax(self.heads(p, t), dim=-1).cpu().numpy())
+        return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
+
 
 def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
     """`epochs`, or more where that many epochs of `rows` take fewer than `min_steps` optimizer steps
@@ -154,10 +181,11 @@ def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
 
 def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
                 y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True, *,
-                standardize: bool, device: str | torch.device = "cpu", min_steps: int = 0):
-    """Train one head per (lr, wd) on the training features; returns a predict function. With
-    `standardize` every channel is scaled by the training rows' statistics (ChannelScaler), in
-    training and in prediction alike, one batch at a time. `device`: where the heads train and
+                standardize: bool, device: str | torch.device = "cpu", min_steps: int = 0) -> HeadGrid:
+    """Train one head per (lr, wd) on the training features; returns them as a HeadGrid (called on
+    features: every head's probabilities). With `standardize` every channel is scaled by the
+    training rows' statistics (ChannelScaler), in training and in prediction alike, one batch at a
+    time. `device`: where the heads train and
     predict (at GPU size the attentive heads read 2,250 volumes x 72 pooled tokens x 384 channels;
     the headline probes took 589 s of host CPU on the H200's machine, docs/accelerators.md); the
     features, the initial weights and the batch order are the same on any device. `min_steps`: at
@@ -167,8 +195,8 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
     heads = make_heads(kind, len(grid), pooled.shape[1], classes).to(dev)
     opt = _HeadAdamW(heads, grid)
     weight = class_weights(y, classes).to(dev) if class_weight else None
-    scale_p = ChannelScaler(pooled, standardize).to(dev)
-    scale_t = ChannelScaler(tokens, standardize).to(dev) if tokens is not None else None
+    model = ScaledHeads(heads, ChannelScaler(pooled, standardize),
+                        ChannelScaler(tokens, standardize) if tokens is not None else None).to(dev)
     P = torch.from_numpy(pooled).float().to(dev)
     T = torch.from_numpy(tokens).float().to(dev) if tokens is not None else None
     Y = torch.from_numpy(y).long().to(dev)
@@ -177,24 +205,13 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
         perm = torch.randperm(len(Y), generator=g).to(dev)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]
-            logits = heads(scale_p(P[idx]), scale_t(T[idx]) if T is not None else None)   # [b, H, C]
+            logits = model(P[idx], T[idx] if T is not None else None)   # [b, H, C]
             loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(len(grid)),
                                    weight=weight, reduction="mean") * len(grid)
             opt.zero_grad()
             loss.backward()
             opt.step()
-
-    @torch.no_grad()
-    def predict(pooled_x: np.ndarray, tokens_x: np.ndarray | None) -> np.ndarray:
-        heads.eval()
-        out = []
-        for i in range(0, len(pooled_x), 256):
-            p = scale_p(torch.from_numpy(pooled_x[i:i + 256]).float().to(dev))
-            t = scale_t(torch.from_numpy(tokens_x[i:i + 256]).float().to(dev)) if tokens_x is not None else None
-            out.append(torch.softmax(heads(p, t), dim=-1).cpu().numpy())
-        return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
-
-    return predict
+    return HeadGrid(model, dev)
 
 
 class _HeadAdamW:

@@ -142,8 +142,50 @@ def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pre
     before = {k: v.clone() for k, v in ft.model.head.state_dict().items() if k.startswith("scale")}
     ft.run(progress=False)
     assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
-    plain = _finetuner(_cfg(pretrained, tmp_path / f"{head}_plain", head=head, standardize="false"))
-    assert not hasattr(plain.model.head, "scale_p") and "scale_p.mean" not in plain.model.head.state_dict()
+    plain = _finetuner(_cfg(pretrained, tmp_path / f"{head}_plain", head=head, standardize="false", head_init="zero"))
+    assert not hasattr(plain.model.head, "scale_p")
+    unscaled = _finetuner(_cfg(pretrained, tmp_path / f"{head}_lp", head=head, standardize="false"))  # a probe's head
+    assert not any(k.startswith("scale") for k in unscaled.model.head.state_dict())                  # on raw channels
+
+
+def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, tmp_path):
+    """Decision 38 (LP-FT): before the first epoch the head is a probe fitted as `make probe` fits
+    one (configs/probe.yaml's grid, the full train split's steps, chosen on val) on the starting
+    encoder's features of the label fraction's train rows; the fine-tuner's own predictions then are
+    that probe's. `head_init=zero`: a zero head, as before."""
+    from evals import check_probes, probe
+    from evals.config import ProbeConfig
+    from train import encoder
+
+    ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1))
+    wrapped = encoder.wrap(ft.model.encoder, ft.tcfg.data.stride, ft.tcfg.data.input_shape)
+    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in ft.rows])
+    feats = {"pooled": wrapped(vols).pooled.numpy(), "tokens": None}
+    pcfg = ProbeConfig(heads=["linear"], seed=ft.cfg.seed)
+    pcfg.min_steps = check_probes.fraction_steps(pcfg, ft.split == "train")
+    chosen, prob = probe.fit_and_select("linear", pcfg, feats, ft.y, ft.split, 2, ft.train, ft.split == "val")
+    assert ft.head_fit["lr"] == chosen["lr"] and ft.head_fit["weight_decay"] == chosen["weight_decay"]
+    assert ft.head_fit["val_balanced_accuracy"] == pytest.approx(chosen["val_balanced_accuracy"])
+    va = ft.split == "val"
+    assert np.allclose(ft.predict(va), prob[va], atol=1e-4)       # the fine-tuner starts where the probe ended
+    res = ft.run(progress=False)
+    assert res["probes"][0]["head_fit"] == ft.head_fit
+    zero = _finetuner(_cfg(pretrained, tmp_path / "zero", head_init="zero"))
+    assert zero.head_fit is None and not zero.model.head.heads.w.any()
+
+
+@pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
+def test_one_head_of_a_grid_predicts_as_it_did_in_the_grid(kind):
+    from evals import probe_heads
+
+    rng = np.random.default_rng(0)
+    pooled, tokens = rng.normal(size=(40, 8)).astype(np.float32), rng.normal(size=(40, 6, 8)).astype(np.float32)
+    y = (pooled[:, 0] > 0).astype(np.int64)
+    grid = probe_heads.train_heads(kind, [(1e-2, 0.0), (3e-3, 0.1)], pooled, tokens, y, 2, 3, 8, 0, standardize=True)
+    for h in range(2):
+        one = probe_heads.HeadGrid(grid.heads.one(h), torch.device("cpu"))
+        assert np.allclose(one(pooled, tokens)[0], grid(pooled, tokens)[h], atol=1e-6)
+    assert grid.heads.one(1).heads.w.shape[0] == 1
 
 
 @pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
@@ -302,9 +344,9 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
-    weights = {k: v for k, v in runs[4].model.state_dict().items() if ".scale_" not in k}
-    assert same_state(weights, {k: v for k, v in other.model.state_dict().items() if ".scale_" not in k})  # the same
-    # training seed, the same weights; the head's channel statistics are those of each run's participants (decision 37)
+    # the same training seed, the same encoder; the head (its channel statistics, decision 37, and the probe it
+    # starts as, decision 38) is fitted on each run's own participants
+    assert same_state(runs[4].model.encoder.state_dict(), other.model.encoder.state_dict())
     assert not same_state(runs[4].model.head.scale_p.state_dict(), other.model.head.scale_p.state_dict())
 
 
