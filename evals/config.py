@@ -60,8 +60,8 @@ class FinetuneConfig:
     head_lr: float = 1.0e-3
     standardize: bool = True           # the head reads channels standardised by the starting encoder's train-row
                                        # statistics, as the probes' heads do (decision 37); false: as before
-    head_init: Literal["probe", "zero"] = "probe"  # probe: the head starts as a probe fitted on the starting
-                                       # encoder's features and chosen on val (LP-FT, decision 38); zero: as before
+    head_init: Literal["probe", "zero"] = "zero"  # probe: the head starts as a probe fitted on the starting
+                                       # encoder's features and chosen on val (LP-FT, decision 38: not adopted)
     weight_decay: float = 0.05         # on weights, not on biases and norms
     warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
     frozen_epochs: int = 5             # head only (encoder frozen, in eval mode) for these first epochs
