@@ -49,7 +49,8 @@ class FinetuneConfig:
     cache: str | None = None           # None: the cache the checkpoint was trained on
     out: str | None = None             # run folder; None: runs/finetune_<task>_<init>[_<pct>pct]
     task: str = "diabetic"
-    head: Literal["linear", "attentive", "mil"] = "linear"      # the probes' heads (evals/probe_heads.py)
+    head: Literal["auto", "linear", "attentive", "mil"] = "linear"  # the probes' heads (evals/probe_heads.py); auto:
+                                       # the kind whose fitted probe val ranks first (decision 39; head_init: probe)
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
     epochs: int = 40
@@ -91,3 +92,5 @@ class FinetuneConfig:
             raise FieldError("layer_decay", f"{self.layer_decay}: needs 0 < layer_decay <= 1")
         if self.frozen_epochs > self.epochs:
             raise FieldError("frozen_epochs", f"{self.frozen_epochs} is more than epochs={self.epochs}")
+        if self.head == "auto" and self.head_init != "probe":
+            raise FieldError("head", "auto chooses among fitted probes: it needs head_init: probe")

@@ -203,12 +203,16 @@ class Finetuner:
         self.rows, self.train = training_rows(cfg, self.tcfg.data.cache)
         self.y = np.array([self.spec["map"](r["label"]) for r in self.rows])
         self.split = np.array([r["split"] for r in self.rows])
-        torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
-        self.model = Classifier(bb.encoder, cfg.head, self.spec["classes"], cfg.token_pool).to(rt.device)
         self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
+        enc = bb.encoder.to(rt.device)
         self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
-        if cfg.standardize or cfg.head_init == "probe":
-            self.model.head = self.start_head()
+        self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
+        torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
+        self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
+        if fitted is not None:
+            self.model.head = fitted
+        elif cfg.standardize:
+            self.model.head = self.scaled(self.model.head)
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
@@ -226,46 +230,53 @@ class Finetuner:
         self.resumed = self._maybe_resume()
 
     @torch.no_grad()
-    def start_features(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The starting encoder's pooled vectors (and, for a token head, pooled token grids) of the
+    def start_features(self, enc: Encoder, mask: np.ndarray, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """The starting encoder's pooled vectors (and with `tokens` its pooled token grids) of the
         masked rows' centre crops, no augmentation, the encoder in eval mode: what the probes read."""
-        enc, d = self.model.encoder, self.tcfg.data
+        d = self.tcfg.data
         rows = [r for r, m in zip(self.rows, mask) if m]
-        was_training, pooled, tokens = enc.training, [], []
+        was_training, pooled, grids = enc.training, [], []
         enc.eval()
         for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
                                            pad=self.rt.kind == "xla"):
             with self.rt.autocast():
                 h = enc(data.normalize(x.to(self.rt.device))).float()
             pooled.append(enc.pool(h)[:n].cpu())
-            if probe_heads.reads_tokens(self.cfg.head):
-                tokens.append(enc.pool_grid(h, self.cfg.token_pool)[:n].cpu())
+            if tokens:
+                grids.append(enc.pool_grid(h, self.cfg.token_pool)[:n].cpu())
         enc.train(was_training)
-        return torch.cat(pooled).numpy(), torch.cat(tokens).numpy() if tokens else None
+        return torch.cat(pooled).numpy(), torch.cat(grids).numpy() if tokens else None
 
-    def start_head(self) -> probe_heads.ScaledHeads:
-        """The head behind ChannelScalers of the starting encoder's features over the train rows
-        (what the probes' heads read, decision 21; decision 37), fixed through the run and saved
-        with the head (a resumed run loads the saved ones over these). With `head_init: probe` its
-        weights are a probe's, fitted on those features as the probes fit theirs (configs/probe.yaml's
-        grid, at least the full train split's steps: decision 32) and chosen on the val rows, so the
-        encoder thaws under a head that already reads it (LP-FT; decision 38)."""
+    def scaled(self, head: nn.Module) -> probe_heads.ScaledHeads:
+        """`head` behind ChannelScalers of the starting encoder's features over the train rows (what
+        the probes' heads read: decisions 21 and 37), fixed through the run and saved with the head
+        (a resumed run loads the saved ones over these)."""
+        tokens = probe_heads.reads_tokens(self.kind)
+        pooled, grids = self.start_features(self.model.encoder, self.train, tokens)
+        return probe_heads.ScaledHeads(head, probe_heads.ChannelScaler(pooled),
+                                       probe_heads.ChannelScaler(grids) if tokens else None).to(self.rt.device)
+
+    def fitted_head(self, enc: Encoder) -> tuple[str, probe_heads.ScaledHeads]:
+        """The head kind and its first weights: a probe fitted on the starting encoder's features as
+        the probes fit theirs (configs/probe.yaml's grid, at least the full train split's steps:
+        decision 32; channels standardised with `standardize`) and chosen on the val rows, so the
+        encoder thaws under a head that already reads it (LP-FT; decision 38). `head: auto` fits each
+        of the probes' kinds and keeps the one val ranks first (decision 39)."""
         cfg = self.cfg
-        if cfg.head_init == "zero":
-            pooled, tokens = self.start_features(self.train)
-            return probe_heads.ScaledHeads(self.model.head, probe_heads.ChannelScaler(pooled),
-                                           probe_heads.ChannelScaler(tokens) if tokens is not None else None
-                                           ).to(self.rt.device)
+        kinds = ProbeConfig().heads if cfg.head == "auto" else [cfg.head]
         fit = self.train | (self.split == "val")
-        pooled, tokens = self.start_features(fit)
-        pcfg = ProbeConfig(heads=[cfg.head], standardize=cfg.standardize, token_pool=cfg.token_pool,
+        pooled, tokens = self.start_features(enc, fit, any(probe_heads.reads_tokens(k) for k in kinds))
+        pcfg = ProbeConfig(heads=kinds, standardize=cfg.standardize, token_pool=cfg.token_pool,
                            seed=training_seed(cfg), device="cpu" if self.rt.kind == "xla" else str(self.rt.device))
         pcfg.min_steps = check_probes.fraction_steps(pcfg, self.split == "train")
-        g = probe.fit_grid(cfg.head, pcfg, {"pooled": pooled, "tokens": tokens}, self.y[fit], self.split[fit],
-                           self.spec["classes"], self.train[fit], self.split[fit] == "val")
-        self.head_fit = {"lr": g.grid[g.best][0], "weight_decay": g.grid[g.best][1], "steps": pcfg.min_steps,
-                         "val_balanced_accuracy": g.val[0], "val_auroc": g.val[1]}
-        return g.heads.heads.one(g.best).to(self.rt.device)
+        grids = {k: probe.fit_grid(k, pcfg, {"pooled": pooled, "tokens": tokens}, self.y[fit], self.split[fit],
+                                   self.spec["classes"], self.train[fit], self.split[fit] == "val") for k in kinds}
+        kind = max(kinds, key=lambda k: probe.val_rank(*grids[k].val))
+        g = grids[kind]
+        self.head_fit = {"head": kind, "lr": g.grid[g.best][0], "weight_decay": g.grid[g.best][1],
+                         "steps": pcfg.min_steps, "val_balanced_accuracy": g.val[0], "val_auroc": g.val[1],
+                         "val_by_head": {k: grids[k].val[0] for k in kinds}}
+        return kind, g.heads.heads.one(g.best).to(self.rt.device)
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
@@ -275,7 +286,7 @@ class Finetuner:
     def state(self, best: bool = False) -> dict:
         st = {"config": config.to_dict(self.tcfg), "target": to_cpu(self.model.encoder.state_dict()),
               "head": to_cpu(self.model.head.state_dict()), "step": self.epoch,
-              "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.cfg.head,
+              "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.kind,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
                            "from": self.ident, "best": self.best}}
         if not best:
@@ -478,7 +489,7 @@ class Finetuner:
         prob[evaluated] = self.predict(evaluated)
         test = self.split == "test"
         name = f"finetuned_{self.cfg.init}"
-        res = {"encoder": name, "head": self.cfg.head, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
+        res = {"encoder": name, "head": self.kind, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
                "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
                "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["step"], "head_fit": self.head_fit,
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
@@ -486,9 +497,9 @@ class Finetuner:
         result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,
                   "counts": {s: np.bincount(self.y[(self.split == s) & (self.train | (s != "train"))],
                                             minlength=k).tolist() for s in ("train", "val", "test")},
-                  "per_device": {self.cfg.head: {d: probe.evaluate(prob, self.y, groups, test & (devices == d), k, self.cfg)
+                  "per_device": {self.kind: {d: probe.evaluate(prob, self.y, groups, test & (devices == d), k, self.cfg)
                                                  for d in sorted(set(devices[test]))}},
-                  "plotted_head": self.cfg.head, "from": self.ident, "epochs_run": self.epoch,
+                  "plotted_head": self.kind, "from": self.ident, "epochs_run": self.epoch,
                   "history": self.history, "label_fraction": self.cfg.label_fraction,
                   "train_participants": int(len(set(groups[self.train]))), "best_checkpoint": self.folder.finetuned()}
         if self.rt.is_master:
@@ -532,14 +543,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ft = Finetuner(cfg, rt)
     if rt.is_master:
         where = f"resumed from {ft.resumed} at epoch {ft.epoch}" if ft.resumed else "from the start"
-        print(f"finetune: {cfg.task} from {cfg.ckpt} ({cfg.init} init), head {cfg.head}, {int(ft.train.sum())} train "
+        print(f"finetune: {cfg.task} from {cfg.ckpt} ({cfg.init} init), head {ft.kind}, {int(ft.train.sum())} train "
               f"volumes ({100 * cfg.label_fraction:g}% of the train participants), on {rt.kind} x{rt.world}, {where}")
     res = ft.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:
         t = res["probes"][0]["test"]
         rows = [(d, m["n"], cli.fmt_number(m["balanced_accuracy"], m.get("balanced_accuracy_ci95")),
-                 cli.fmt_number(m["auroc_macro_ovr"])) for d, m in res["per_device"][cfg.head].items()]
+                 cli.fmt_number(m["auroc_macro_ovr"])) for d, m in res["per_device"][ft.kind].items()]
         rows.append(("all", t["n"], cli.fmt_number(t["balanced_accuracy"], t["balanced_accuracy_ci95"]),
                      cli.fmt_number(t["auroc_macro_ovr"], t["auroc_macro_ovr_ci95"])))
         print(f"\n{cfg.task} (test, best val epoch {res['probes'][0]['best_epoch']} of {res['epochs_run']}):")

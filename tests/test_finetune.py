@@ -48,7 +48,7 @@ def test_a_tiny_finetune_runs_end_to_end(pretrained, tmp_path):
     assert ft["encoder"] == "finetuned_pretrained" and ft["head"] == "linear"  # the shipped recipe, without --config
     assert 0 <= ft["test"]["balanced_accuracy"] <= 1 and len(ft["test"]["balanced_accuracy_ci95"]) == 2
     assert [h["epoch"] for h in m["history"]] == [1, 2]
-    assert set(m["per_device"]["linear"])  # every test device reported
+    assert set(m["per_device"][ft["head"]])  # every test device reported
     for f in ("report.md", "confusion.png", "roc.png", "curves.png"):
         assert (out / "diabetic" / f).stat().st_size > 0, f
     vals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -81,7 +81,7 @@ def test_frozen_epochs_leave_the_encoder_bit_identical(pretrained, tmp_path):
 
 
 def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
-    cfg = _cfg(pretrained, tmp_path / "lrs", lr=1e-3, layer_decay=0.5, head_lr=7e-3, drop_path=0.2)
+    cfg = _cfg(pretrained, tmp_path / "lrs", lr=1e-3, layer_decay=0.5, head_lr=7e-3, drop_path=0.2, head="linear")
     ft = _finetuner(cfg)
     depth = len(ft.model.encoder.blocks)
     assert depth == 2
@@ -110,16 +110,21 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
 
 
-def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
-    """The train rows' pooled vectors and pooled token grids (centre crops), through the exported
+def _all_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's pooled vector and pooled token grid (centre crops), through the exported
     encoder's path (encoder.wrap), as the probes' features are computed."""
     from train import encoder
 
     wrapped = encoder.wrap(ft.model.encoder, ft.tcfg.data.stride, ft.tcfg.data.input_shape)
-    rows = [r for r, t in zip(ft.rows, ft.train) if t]
-    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in rows])
+    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in ft.rows])
     out = wrapped(vols)
     return out.pooled.numpy(), ft.model.encoder.pool_grid(out.tokens, ft.cfg.token_pool).numpy()
+
+
+def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
+    """The train rows' pooled vectors and pooled token grids (_all_embeddings)."""
+    pooled, tokens = _all_embeddings(ft)
+    return pooled[ft.train], tokens[ft.train]
 
 
 @pytest.mark.parametrize("head", ["linear", "attentive"])
@@ -155,12 +160,9 @@ def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, 
     that probe's. `head_init=zero`: a zero head, as before."""
     from evals import check_probes, probe
     from evals.config import ProbeConfig
-    from train import encoder
 
-    ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1))
-    wrapped = encoder.wrap(ft.model.encoder, ft.tcfg.data.stride, ft.tcfg.data.input_shape)
-    vols = torch.stack([torch.from_numpy(store.read_volume(ft.tcfg.data.cache, r["volume"])) for r in ft.rows])
-    feats = {"pooled": wrapped(vols).pooled.numpy(), "tokens": None}
+    ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1, head="linear", head_init="probe"))
+    feats = {"pooled": _all_embeddings(ft)[0], "tokens": None}
     pcfg = ProbeConfig(heads=["linear"], seed=ft.cfg.seed)
     pcfg.min_steps = check_probes.fraction_steps(pcfg, ft.split == "train")
     chosen, prob = probe.fit_and_select("linear", pcfg, feats, ft.y, ft.split, 2, ft.train, ft.split == "val")
@@ -170,8 +172,31 @@ def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, 
     assert np.allclose(ft.predict(va), prob[va], atol=1e-4)       # the fine-tuner starts where the probe ended
     res = ft.run(progress=False)
     assert res["probes"][0]["head_fit"] == ft.head_fit
-    zero = _finetuner(_cfg(pretrained, tmp_path / "zero", head_init="zero"))
+    zero = _finetuner(_cfg(pretrained, tmp_path / "zero", head_init="zero", head="linear"))
     assert zero.head_fit is None and not zero.model.head.heads.w.any()
+
+
+def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretrained, tmp_path):
+    """Decision 39: `head: auto` fits a probe of each of the probes' kinds on the
+    starting features and fine-tunes the one val ranks first, started as that probe; the kind is
+    what the run reports and exports. It needs a fitted start: with head_init=zero it is refused."""
+    from evals import check_probes, probe
+    from evals.config import ProbeConfig
+
+    ft = _finetuner(_cfg(pretrained, tmp_path / "auto", label_fraction=0.5, epochs=1, head="auto", head_init="probe"))
+    pooled, tokens = _all_embeddings(ft)
+    pcfg = ProbeConfig(seed=ft.cfg.seed)
+    pcfg.min_steps = check_probes.fraction_steps(pcfg, ft.split == "train")
+    fits = {k: probe.fit_and_select(k, pcfg, {"pooled": pooled, "tokens": tokens}, ft.y, ft.split, 2, ft.train,
+                                    ft.split == "val") for k in ("linear", "attentive")}
+    best = max(fits, key=lambda k: probe.val_rank(fits[k][0]["val_balanced_accuracy"], fits[k][0]["val_auroc"]))
+    assert ft.kind == best == ft.head_fit["head"] and ft.model.kind == best
+    assert ft.head_fit["val_by_head"] == pytest.approx({k: f[0]["val_balanced_accuracy"] for k, f in fits.items()})
+    va = ft.split == "val"
+    assert np.allclose(ft.predict(va), fits[best][1][va], atol=1e-4)
+    assert ft.state()["finetune"]["head"] == best                      # what make export writes
+    with pytest.raises(config.ConfigError, match="'head': auto .* needs head_init: probe"):
+        _cfg(pretrained, tmp_path / "z", head="auto", head_init="zero")
 
 
 @pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
