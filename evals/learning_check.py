@@ -277,9 +277,19 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
     res = ft.run(progress=progress)
-    return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed,
-                               "best_epoch": res["probes"][0]["best_epoch"], "epochs_run": res["epochs_run"],
+    top = res["probes"][0]
+    return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed, "head": top["head"],
+                               "head_fit": top.get("head_fit"), "best_epoch": top["best_epoch"],
+                               "epochs_run": res["epochs_run"],
                                "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]})
+
+
+def tuned_line(run: dict) -> str:
+    """One fine-tuning run in result.md: its head, best epoch and val per epoch."""
+    seed = "" if run["train_seed"] is None else f", training seed {run['train_seed']}"
+    start = f" (started as a probe with val {run['head_fit']['val_balanced_accuracy']:.2f})" if run.get("head_fit") else ""
+    return (f"- {pct(run['fraction'])}, {run['init']} init{seed}, {run['head']} head{start}: best epoch "
+            f"{run['best_epoch']} of {run['epochs_run']}; " + " ".join(f"{v:.2f}" for v in run["val"]))
 
 
 def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
@@ -505,10 +515,7 @@ def markdown(result: dict) -> str:
         if result["finetune"].get("runs"):
             lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "
                       "frozen_epochs first):", "",
-                      *(f"- {pct(r['fraction'])}, {r['init']} init" + ("" if r["train_seed"] is None else
-                                                                       f", training seed {r['train_seed']}") +
-                        f": best epoch {r['best_epoch']} of {r['epochs_run']}; " + " ".join(f"{v:.2f}" for v in r["val"])
-                        for r in result["finetune"]["runs"])]
+                      *(tuned_line(r) for r in result["finetune"]["runs"])]
         lines.append("")
     if result.get("token_probe"):
         lines += [f"Is the lesion in the tokens? {result['token_probe']['line']} (evals/token_probe.py).", ""]

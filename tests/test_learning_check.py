@@ -103,7 +103,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     m = json.loads((tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" /
                     learning_check.finetune_tag("random", 0.5, 1) / "diabetic" / "metrics.json").read_text())
     assert rand["val"] == [round(h["balanced_accuracy"], 4) for h in m["history"]] and rand["epochs_run"] == 1
-    assert rand["best_epoch"] == m["probes"][0]["best_epoch"]
+    assert rand["best_epoch"] == m["probes"][0]["best_epoch"] and rand["head"] == m["probes"][0]["head"]
+    assert learning_check.tuned_line(rand) in (out / "lesions" / "result.md").read_text()
     assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
