@@ -182,8 +182,8 @@ NOT_TRAINING = ("train/plan.py",)
 # elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
 SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
 # a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
-# participants and config defaults key its name too, so a fine-tuning edit retrains it (a resume under older
-# code came back with what that code had done: stop 50's review)
+# participants, config defaults and the probes' fit (its fitted start, head_init: probe) key its name too, so a
+# fine-tuning edit retrains it (a resume under older code came back with what that code had done: stop 50's review)
 FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py", "evals/probe.py",
                  "evals/check_probes.py")
 

@@ -181,7 +181,8 @@ def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_n
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
     instead of answering "nothing to do" from runs older code made), editing the probes keeps the
-    pretraining and the supervised references, editing evals/supervised.py retrains the references
+    pretraining and the supervised references (not fine-tuning, which can start from a fitted probe),
+    editing evals/supervised.py retrains the references
     only, and editing the generator makes the cohort afresh; unedited, all are reused."""
     import shutil
     import subprocess
@@ -209,11 +210,12 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     assert run() == (first, True)                                    # nothing changed: all reused
     with open(copy / "evals" / "probe.py", "a") as f:
         f.write("\n# an edit\n")
-    assert run() == (first, True)                                    # a probe edit: everything kept
+    (pre0, sup0, tune0), reused = run()   # a probe edit keeps the pretraining and the references; fine-tuning
+    assert (pre0, sup0) == first[:2] and tune0 != first[2] and reused  # fits its start as the probes fit (decision 38)
     with open(copy / "evals" / "supervised.py", "a") as f:
         f.write("\n# an edit\n")
     (pre, sup, tune), reused = run()
-    assert pre == first[0] and sup != first[1] and tune == first[2] and reused  # the reference's code: it retrains
+    assert pre == first[0] and sup != first[1] and tune == tune0 and reused  # the reference's code: it retrains
     with open(copy / "evals" / "finetune.py", "a") as f:
         f.write("\n# an edit\n")
     (pre2, sup2, tune2), reused = run()
