@@ -127,30 +127,26 @@ def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
     return pooled[ft.train], tokens[ft.train]
 
 
-@pytest.mark.parametrize("head", ["linear", "attentive"])
-def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path, head):
+def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path):
     """Decision 37 (docs/learning-check.md): the probes' heads read standardised channels (decision
     21) and fine-tuning's head now does too, by the statistics of the encoder it starts from over the
-    label fraction's train rows; a token head scales its tokens as well. `standardize=false`: the head
-    as before. The statistics stay fixed while the encoder trains."""
-    ft = _finetuner(_cfg(pretrained, tmp_path / head, head=head, label_fraction=0.5, epochs=1))
+    label fraction's train rows; a token head scales its tokens as well (the attentive head here).
+    `standardize=false`: the head as before. The statistics stay fixed while the encoder trains."""
+    ft = _finetuner(_cfg(pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
     pooled, tokens = _train_embeddings(ft)
     assert ft.train.sum() < len(ft.train)  # a label fraction: the statistics are its rows'
     scaled = ft.model.head.scale_p(torch.from_numpy(pooled)).numpy()
     moving = pooled.std(0) > 1e-4
     assert np.allclose(scaled.mean(0), 0, atol=1e-3) and np.allclose(scaled.std(0)[moving], 1, atol=1e-2)
-    if head == "attentive":
-        t = ft.model.head.scale_t(torch.from_numpy(tokens)).numpy().reshape(-1, tokens.shape[-1])
-        assert np.allclose(t.mean(0), 0, atol=1e-3)
-    else:
-        assert ft.model.head.scale_t is None
+    t = ft.model.head.scale_t(torch.from_numpy(tokens)).numpy().reshape(-1, tokens.shape[-1])
+    assert np.allclose(t.mean(0), 0, atol=1e-3)
     before = {k: v.clone() for k, v in ft.model.head.state_dict().items() if k.startswith("scale")}
     ft.run(progress=False)
     assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
-    plain = _finetuner(_cfg(pretrained, tmp_path / f"{head}_plain", head=head, standardize="false", head_init="zero"))
+    plain = _finetuner(_cfg(pretrained, tmp_path / "plain", head="attentive", standardize="false"))
     assert not hasattr(plain.model.head, "scale_p")
-    unscaled = _finetuner(_cfg(pretrained, tmp_path / f"{head}_lp", head=head, standardize="false"))  # a probe's head
-    assert not any(k.startswith("scale") for k in unscaled.model.head.state_dict())                  # on raw channels
+    unscaled = _finetuner(_cfg(pretrained, tmp_path / "lp", standardize="false", head_init="probe"))  # a probe's head
+    assert not any(k.startswith("scale") for k in unscaled.model.head.state_dict())                   # on raw channels
 
 
 def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, tmp_path):

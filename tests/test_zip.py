@@ -178,6 +178,7 @@ def test_expand_round_trip_and_resume(tmp_path):
     assert r.returncode == 2 and "inside SOURCE" in r.stderr
 
 
+@pytest.mark.slow  # about 20 s on 2 cores; the zipped tree itself stays in make test: the heavy lane, which CI runs
 def test_zipped_sources_on_gcs(gcs_emulator, tmp_path):
     """Archives on gs:// (the emulator): members read by range into a cache, and expanded
     gs:// -> gs://, resumably."""
