@@ -56,19 +56,22 @@ def autocast(precision: str, device):
 
 @torch.no_grad()
 def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu", batch: int = 4,
-            progress=None, precision: str = "fp32") -> dict:
-    """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (float16), both pooled as
-    the encoder's `model.pool` says; `precision` "bf16" runs the encoder under bf16 autocast."""
+            progress=None, precision: str = "fp32", tokens: bool = True, token_dtype=torch.float16,
+            pad: bool = False) -> dict:
+    """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (`token_dtype`; none without
+    `tokens`), both pooled as the encoder's `model.pool` says; `precision` "bf16" runs the encoder under
+    bf16 autocast; `pad` fills the last batch to `batch` rows (one compiled shape on XLA)."""
     enc = enc.to(device)
-    pooled, tokens = [], []
-    for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch):
+    pooled, grids = [], []
+    for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch, pad=pad):
         with autocast(precision, device):
             h = encoder.tokens(enc, x.to(device)).float()                             # [b, N, d]
-        pooled.append(enc.pool(h).cpu())
-        tokens.append(enc.pool_grid(h, token_pool).half().cpu())
+        pooled.append(enc.pool(h)[:n].cpu())
+        if tokens:
+            grids.append(enc.pool_grid(h, token_pool)[:n].to(token_dtype).cpu())
         if progress:
             progress(n)
-    return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(tokens).numpy()}
+    return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(grids).numpy() if tokens else None}
 
 
 def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, precision: str = "fp32") -> str:

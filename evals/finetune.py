@@ -229,23 +229,18 @@ class Finetuner:
         self.history: list[dict] = []
         self.resumed = self._maybe_resume()
 
-    @torch.no_grad()
     def start_features(self, enc: Encoder, mask: np.ndarray, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """The starting encoder's pooled vectors (and with `tokens` its pooled token grids) of the
-        masked rows' centre crops, no augmentation, the encoder in eval mode: what the probes read."""
-        d = self.tcfg.data
+        """The starting encoder's pooled vectors (and with `tokens` its pooled token grids, float32) of the
+        masked rows' centre crops, no augmentation, the encoder in eval mode: what the probes read
+        (features.extract)."""
         rows = [r for r, m in zip(self.rows, mask) if m]
-        was_training, pooled, grids = enc.training, [], []
+        was_training = enc.training
         enc.eval()
-        for x, n in encoder.volume_batches(d.cache, rows, d.stride, d.input_shape, self.cfg.eval_batch,
-                                           pad=self.rt.kind == "xla"):
-            with self.rt.autocast():
-                h = enc(data.normalize(x.to(self.rt.device))).float()
-            pooled.append(enc.pool(h)[:n].cpu())
-            if tokens:
-                grids.append(enc.pool_grid(h, self.cfg.token_pool)[:n].cpu())
+        f = features.extract(enc, self.tcfg, rows, self.tcfg.data.cache, self.cfg.token_pool, self.rt.device,
+                             self.cfg.eval_batch, precision="bf16" if self.rt.bf16 else "fp32", tokens=tokens,
+                             token_dtype=torch.float32, pad=self.rt.kind == "xla")
         enc.train(was_training)
-        return torch.cat(pooled).numpy(), torch.cat(grids).numpy() if tokens else None
+        return f["pooled"], f["tokens"]
 
     def scaled(self, head: nn.Module) -> probe_heads.ScaledHeads:
         """`head` behind ChannelScalers of the starting encoder's features over the train rows (what
@@ -276,7 +271,7 @@ class Finetuner:
         self.head_fit = {"head": kind, "lr": g.grid[g.best][0], "weight_decay": g.grid[g.best][1],
                          "steps": pcfg.min_steps, "val_balanced_accuracy": g.val[0], "val_auroc": g.val[1],
                          "val_by_head": {k: grids[k].val[0] for k in kinds}}
-        return kind, g.heads.heads.one(g.best).to(self.rt.device)
+        return kind, g.heads.one(g.best).to(self.rt.device)
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:

@@ -162,6 +162,10 @@ class HeadGrid:
     def __init__(self, heads: ScaledHeads, device: torch.device):
         self.heads, self.device = heads, device
 
+    def one(self, h: int) -> ScaledHeads:
+        """Head `h` of the grid alone, behind the same scalers (ScaledHeads.one)."""
+        return self.heads.one(h)
+
     @torch.no_grad()
     def __call__(self, pooled_x: np.ndarray, tokens_x: np.ndarray | None) -> np.ndarray:
         self.heads.eval()

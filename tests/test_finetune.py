@@ -204,9 +204,9 @@ def test_one_head_of_a_grid_predicts_as_it_did_in_the_grid(kind):
     y = (pooled[:, 0] > 0).astype(np.int64)
     grid = probe_heads.train_heads(kind, [(1e-2, 0.0), (3e-3, 0.1)], pooled, tokens, y, 2, 3, 8, 0, standardize=True)
     for h in range(2):
-        one = probe_heads.HeadGrid(grid.heads.one(h), torch.device("cpu"))
+        one = probe_heads.HeadGrid(grid.one(h), torch.device("cpu"))
         assert np.allclose(one(pooled, tokens)[0], grid(pooled, tokens)[h], atol=1e-6)
-    assert grid.heads.one(1).heads.w.shape[0] == 1
+    assert grid.one(1).heads.w.shape[0] == 1
 
 
 @pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
