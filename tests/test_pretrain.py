@@ -203,6 +203,7 @@ def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
     assert sorted(p.name for p in ckdir.glob("step_*.pt")) == [f"step_{s:07d}.pt" for s in range(5, 31, 5)]
 
 
+@pytest.mark.slow  # about 24 s on 2 cores (stop 53: make test at its 7 minutes): the heavy lane, beside the other torchrun tests
 def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
     one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, batch_size=4)
     r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *one)
