@@ -205,14 +205,22 @@ class Finetuner:
         self.split = np.array([r["split"] for r in self.rows])
         self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
         enc = bb.encoder.to(rt.device)
+        self.folder = RunFolder(run_dir(cfg))
+        self.ckpt_dir = self.folder.checkpoints()
+        saved = self._saved_state()
         self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
-        self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
-        torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
-        self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
-        if fitted is not None:
-            self.model.head = fitted
-        elif cfg.standardize:
-            self.model.head = self.scaled(self.model.head)
+        if saved is not None:  # the saved head's kind, shape and statistics: no start features to recompute
+            self.kind, self.head_fit = saved[1]["finetune"]["head"], saved[1]["finetune"].get("head_fit")
+            self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
+            self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(rt.device)
+        else:
+            self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
+            torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
+            self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
+            if fitted is not None:
+                self.model.head = fitted
+            elif cfg.standardize:
+                self.model.head = self.scaled(self.model.head)
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
@@ -220,14 +228,12 @@ class Finetuner:
                                       for g, lr in zip(self.groups, self.lrs)], lr=self.lrs[0], **optimizer_flags(rt.kind))
         self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]).to(rt.device)
                        if cfg.class_weight else None)
-        self.folder = RunFolder(run_dir(cfg))
-        self.ckpt_dir = self.folder.checkpoints()
         per_epoch = data.EpochSampler(int(self.train.sum()), cfg.batch_size, world=rt.world).batches_per_epoch
         self.epochs = budget_epochs(cfg, per_epoch)
         self.skipped = torch.zeros((), device=rt.device)  # updates refused for a non-finite loss or gradient
         self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
         self.history: list[dict] = []
-        self.resumed = self._maybe_resume()
+        self.resumed = self._resume(*saved) if saved is not None else None
 
     def start_features(self, enc: Encoder, mask: np.ndarray, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The starting encoder's pooled vectors (and with `tokens` its pooled token grids, float32) of the
@@ -283,13 +289,15 @@ class Finetuner:
               "head": to_cpu(self.model.head.state_dict()), "step": self.epoch,
               "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.kind,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
-                           "from": self.ident, "best": self.best}}
+                           "from": self.ident, "best": self.best, "head_fit": self.head_fit}}
         if not best:
             st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, stale=self.stale,
                       history=self.history, skipped_updates=self.skipped.cpu())
         return st
 
-    def _maybe_resume(self) -> str | None:
+    def _saved_state(self) -> tuple[str, dict] | None:
+        """The newest good checkpoint of this run folder, if any, refused (naming the keys) when it
+        was made under other settings."""
         found = checkpoint.load_newest_good(self.ckpt_dir)
         if found is None:
             return None
@@ -299,6 +307,9 @@ class Finetuner:
         if changed:
             raise cli.UsageError(f"{uri}: this fine-tuning run was made with other settings ({', '.join(changed)}); "
                                  f"set out= to start a new run, or put them back to resume")
+        return found
+
+    def _resume(self, uri: str, st: dict) -> str:
         self.model.encoder.load_state_dict(st["target"])
         self.model.head.load_state_dict(st["head"])
         load_optimizer(self.opt, st["optimizer"], self.lrs)

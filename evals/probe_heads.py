@@ -267,6 +267,20 @@ class CachedVolumeClassifier(nn.Module):
         return torch.softmax(self.head(out.pooled, tokens)[:, 0].float(), -1)
 
 
+def shaped_like(kind: str, head: nn.Module, state: dict) -> nn.Module:
+    """`head` (make_heads' one head of `kind`) shaped as the saved `state`: behind ChannelScalers
+    where it was saved behind them (fine-tuning's standardised or fitted heads, decisions 37-38),
+    with empty statistics to load into; a bare head's state (older runs) leaves it bare."""
+    if not any(k.startswith("heads.") for k in state):
+        return head
+
+    def scaler(name: str) -> ChannelScaler:
+        w = state.get(f"{name}.mean")
+        return ChannelScaler.of_width(w.shape[0]) if w is not None else ChannelScaler(np.zeros((1, 1)), on=False)
+    tokens = "scale_t.mean" in state or reads_tokens(kind)
+    return ScaledHeads(head, scaler("scale_p"), scaler("scale_t") if tokens else None)
+
+
 def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> CachedVolumeClassifier:
     """The encoder and task head of a fine-tuned model folder, in eval mode on `device`."""
     from safetensors.torch import load_file
@@ -277,9 +291,6 @@ def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> C
                          "then `make export` writes one)")
     h = cfg["head"]
     dim, state = cfg["architecture"]["dim"], load_file(str(Path(folder) / h["file"]))
-    head = make_heads(h["kind"], 1, dim, len(h["classes"]))
-    if "scale_p.mean" in state:  # a head that reads standardised channels (decision 37); older folders do not
-        head = ScaledHeads(head, ChannelScaler.of_width(dim),
-                           ChannelScaler.of_width(dim) if "scale_t.mean" in state else None)
+    head = shaped_like(h["kind"], make_heads(h["kind"], 1, dim, len(h["classes"])), state)
     head.load_state_dict(state)
     return CachedVolumeClassifier(encoder.load_encoder(folder), head, h["kind"], h["token_pool"], h["classes"]).to(device).eval()

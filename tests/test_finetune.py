@@ -195,6 +195,40 @@ def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretra
         _cfg(pretrained, tmp_path / "z", head="auto", head_init="zero")
 
 
+@pytest.mark.parametrize("kw", [{"head": "attentive"},  # standardised, zero start: the shipped recipe's head
+                                pytest.param({"head": "linear", "standardize": "false", "head_init": "probe"},
+                                             marks=pytest.mark.slow)])  # a fitted raw head (12 s): the heavy lane
+def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch, kw):
+    """A resume rebuilds the head (its kind, scalers and fitted start's record) from the checkpoint
+    instead of extracting the start features and refitting the probes again (stop 53 left that); the
+    saved shapes load into the head make_heads builds (probe_heads.shaped_like, as make export's
+    folders do)."""
+    from evals import probe_heads
+
+    cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, **kw)
+    ft = _finetuner(cfg)
+    real = ft.validate
+
+    def validate():
+        if ft.epoch > 1:
+            raise KeyboardInterrupt  # killed at the end of epoch 2: epoch 1 was saved
+        return real()
+    ft.validate = validate
+    with pytest.raises(KeyboardInterrupt):
+        ft.run(progress=False)
+    _, st = checkpoint.load_newest_good(ft.ckpt_dir)
+
+    def refused(*_a, **_k):
+        raise AssertionError("the start features were extracted again on a resume")
+    monkeypatch.setattr(finetune.Finetuner, "start_features", refused)
+    again = _finetuner(cfg)
+    assert again.resumed and again.epoch == 1 and again.kind == ft.kind and again.head_fit == ft.head_fit
+    assert same_state(again.model.head.state_dict(), st["head"])
+    assert again.run(progress=False)["epochs_run"] == 2
+    made = probe_heads.make_heads(ft.kind, 1, ft.model.encoder.norm.normalized_shape[0], 2)
+    probe_heads.shaped_like(ft.kind, made, st["head"]).load_state_dict(st["head"])  # strict: every key, every shape
+
+
 @pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
 def test_one_head_of_a_grid_predicts_as_it_did_in_the_grid(kind):
     from evals import probe_heads

@@ -311,6 +311,17 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     at 10% of labels only (`--reference-fraction`, what a lent GPU's call holds), and the reference
     and fine-tuning runs at once in their own processes, as they give one after another. The GPU
     run itself is `make learning-check-device` on a lent machine."""
+    gpu_dry_run(tmp_path, "out", capsys)
+
+
+GPU_TINY = ["--size", "gpu", "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
+            "device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
+            "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
+            "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
+
+
+def gpu_dry_run(tmp_path, out, capsys):
+    """The GPU size at once, tiny, on the CPU, with its files and printed lines checked; its result."""
     from train import pretrain
 
     loaded = []
@@ -320,18 +331,14 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
         real(self, progress)
         loaded.append(self.resident is not None and tuple(self.resident.volumes.shape))
 
-    tiny = ["device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
-            "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
-            "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
     pretrain.Trainer.load_resident = spy
     try:
-        assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                                    "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
-                                    *FT, *PROBE, *tiny]) == 0
+        assert learning_check.main(["--work", str(tmp_path / "work"), "--out", str(tmp_path / out),
+                                    *GPU_TINY, *FT, *PROBE]) == 0
     finally:
         pretrain.Trainer.load_resident = real
-    res = json.loads((tmp_path / "out" / "lesions" / "result.json").read_text())
-    saved = (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
+    res = json.loads((tmp_path / out / "lesions" / "result.json").read_text())
+    saved = (tmp_path / out / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
     at_once = {"supervised reference, 10% of labels", "fine-tuning (pretrained init), 10% of labels",
@@ -349,10 +356,10 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
                for t in res["supervised_training"].values()) and list(res["supervised_training"]) == ["10%"]
     assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
     assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
-        (tmp_path / "out" / "lesions" / "result.md").read_text()
+        (tmp_path / out / "lesions" / "result.md").read_text()
     # the headline rows were printed as soon as the features existed, and every row but the token probe's
     # was written before it (a lent GPU's run cut short keeps them; stop 50's was cut in the token probe)
-    early = json.loads((tmp_path / "out" / "lesions" / "result_interim.json").read_text())
+    early = json.loads((tmp_path / out / "lesions" / "result_interim.json").read_text())
     assert early["tasks"] == res["tasks"] and early["label_efficiency"] == res["label_efficiency"]
     assert "token_probe" not in early and "token probe" not in early["stages"] and "probes" in early["stages"]
     assert early["verdict"] == f"{learning_check.BEFORE_TOKENS}: {res['verdict']}"
@@ -360,13 +367,21 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     assert learning_check.INTERIM in printed   # the headline rows' verdict, printed before the references
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
     assert res["verdict"] in printed
-    # one after another (the CPU size's way; the cohort and cache reused, everything else afresh): the same rows
-    assert learning_check.main(["--size", "gpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out2"),
-                                "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
-                                "--one-at-a-time", *FT, *PROBE, *tiny]) == 0
+    return res
+
+
+@pytest.mark.slow  # the GPU size's dry run twice (about 55 s on 2 cores): the heavy lane
+def test_the_gpu_size_check_gives_the_same_rows_one_at_a_time(tmp_path, capsys):
+    """`--one-at-a-time` (the CPU size's way; the cohort and cache reused, everything else afresh)
+    gives the at-once run's rows."""
+    res = gpu_dry_run(tmp_path, "out", capsys)
+    assert learning_check.main(["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out2"), "--one-at-a-time",
+                                *GPU_TINY, *FT, *PROBE]) == 0
     seq = json.loads((tmp_path / "out2" / "lesions" / "result.json").read_text())
-    # (the curve's heads then train in the probes stage)
-    assert "references and fine-tuning" not in seq["stages"] and at_once - {learning_check.CURVE_JOB} <= set(seq["stages"])
+    # each run a stage of its own (the curve's heads then train in the probes stage)
+    assert "references and fine-tuning" not in seq["stages"] and {
+        "supervised reference, 10% of labels", "fine-tuning (pretrained init), 10% of labels",
+        "fine-tuning (random init), 10% of labels"} <= set(seq["stages"])
     for key in ("finetune", "label_efficiency", "supervised_training", "tasks"):
         assert seq[key] == res[key], key
 
