@@ -78,10 +78,9 @@ class Size:
     supervised_stop: supervised.Stopping = supervised.Stopping()
     supervised_args: tuple[str, ...] = ()
     together: bool = False  # the references and fine-tuning runs at once, each in its own process (Stages.together)
-    beside: bool = False  # the references one after another in a process of their own while this one pretrains
 
 
-SIZES = {"cpu": Size("configs/pretrain_check.yaml", beside=True),
+SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
          "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
                      ("batch_size=128", "max_steps=3700"), together=True)}
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
@@ -129,80 +128,36 @@ class Stages:
         a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
         at once, started in the order given. Each
         job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
-        return self.start(group, jobs, TOGETHER_MAX).wait()
-
-    def start(self, group: str, jobs: dict[str, tuple], width: int, threads: int | None = None) -> "Pending":
-        """The jobs started as Stages.together starts them, `width` at a time, while this process
-        goes on; the handle's `wait` gathers them and records `group`'s wall from now."""
-        print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), width)} at once ...", flush=True)
+        print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
         t0 = time.perf_counter()
 
         def ended(name: str, wall: float, cpu: float) -> None:
             self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
             print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
 
-        def all_ended() -> None:
-            self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
-            print(f"learning-check: {group} done in {self.times[group]['wall_s']}s", flush=True)
-
-        return Pending(jobs, width, ended, threads, all_ended)
-
-
-class Pending:
-    """Named jobs, each (a module-level function, its arguments), in processes of their own, `width`
-    at a time in the order given, while this process goes on; `wait` gathers {name: result},
-    calling `ended(name, wall s, cpu s)` as each ends and `all_ended()` after the last. `threads`:
-    each job process's torch threads. A failure ends the pool (the queued jobs do not start) and is
-    raised; `cancel` ends it at once (this process failed first)."""
-
-    def __init__(self, jobs: dict, width: int, ended=None, threads: int | None = None, all_ended=None):
-        self.jobs, self.ended, self.all_ended = jobs, ended, all_ended
-        self.pool = concurrent.futures.ProcessPoolExecutor(
-            min(len(jobs), width), mp_context=procs.worker_context(),
-            initializer=set_threads if threads else None, initargs=(threads,) if threads else ())
-        self.names = {self.pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
-
-    def wait(self) -> dict:
-        out = {}
-        for fut in concurrent.futures.as_completed(self.names):
-            name = self.names[fut]
-            try:
-                out[name], wall, cpu = fut.result()
-            except BaseException:
-                self.pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            if self.ended:
-                self.ended(name, wall, cpu)
-        self.pool.shutdown()
-        if self.all_ended:
-            self.all_ended()
-        return {name: out[name] for name in self.jobs}
-
-    def cancel(self) -> None:
-        for proc in list(getattr(self.pool, "_processes", {}).values()):  # a running job is not cancellable
-            proc.terminate()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        out = in_processes(jobs, TOGETHER_MAX, ended)
+        self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
+        print(f"learning-check: {group} done in {self.times[group]['wall_s']}s", flush=True)
+        return out
 
 
 def in_processes(jobs: dict, width: int, ended=None) -> dict:
-    """{name: result} of each named job in its own process, `width` at a time (Pending, waited on)."""
-    return Pending(jobs, width, ended).wait()
-
-
-def set_threads(n: int) -> None:
-    """This process's torch threads (a Pending job process's, or this one's put back)."""
-    import torch
-
-    torch.set_num_threads(n)
-
-
-def one_thread() -> int:
-    """This process's torch threads set to one; the number before, to put back."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    return before
+    """{name: result} of each named job, (a module-level function, its arguments), each in its
+    own process, `width` at a time, started in the order given; `ended(name, wall s, cpu s)` as
+    each one ends. A failure ends the pool (the queued jobs do not start) and is raised."""
+    out = {}
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), width), mp_context=procs.worker_context()) as pool:
+        names = {pool.submit(_timed, fn, *args): name for name, (fn, args) in jobs.items()}
+        for fut in concurrent.futures.as_completed(names):
+            name = names[fut]
+            try:
+                out[name], wall, cpu = fut.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            if ended:
+                ended(name, wall, cpu)
+    return {name: out[name] for name in jobs}
 
 
 def _call(job: tuple):
@@ -759,14 +714,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
-          reference_fractions: Sequence[float] | None = None, together: bool = False, beside: bool = False) -> dict:
+          reference_fractions: Sequence[float] | None = None, together: bool = False) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `supervised_args`: the references' own overrides, before `overrides` (the size's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
     of the curve's; the curve keeps its frozen rows at the others). `together`: the references
-    and fine-tuning runs each in its own process at once (the GPU size, Stages.together).
-    `beside`: the references one after another in a process of their own while this one
-    pretrains, extracts and fits the headline probes (the CPU size: Stages.start)."""
+    and fine-tuning runs each in its own process at once (the GPU size, Stages.together)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -784,8 +737,19 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
                         "baselines=true", f"device={device}", *probe_args])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
-    rows = probe.labelled_rows(cache, pcfg.seed, pcfg.shuffle_labels)  # the rows the features stage reads
-    people = subsets.nested_fractions(rows, fractions, pcfg.seed)
+    run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
+    ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
+    probe_dir = RunFolder(run_dir).probe
+    f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
+    about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+             "source": source, "cohort_seed": seed if generated else None,
+             "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
+             "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
+             "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
+             "probe_standardize": pcfg.standardize}
+    dest = out / cue
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
+    people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
     ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
         if with_supervised and splits else []
@@ -793,53 +757,23 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
                  for k in range(finetune_seeds)] if splits else []
     # at once, the curve's own heads join them: they need no reference (curve_fits)
     at_once = together and len(ref_fracs) + len(tune_keys) > 0
-    beside = beside and not together and bool(ref_fracs)
     # each job: a module-level function and its arguments, so that it can run in its own process
     refs = {frac: (f"supervised reference, {pct(frac)} of labels",
                    (supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac],
-                                      "" if frac == 1.0 else f"_{round(frac * 100)}pct", supervised_stop,
-                                      not (at_once or beside))))
+                                      "" if frac == 1.0 else f"_{round(frac * 100)}pct", supervised_stop, not at_once)))
             for frac in ref_fracs}
-    # beside: the references train in a process of their own from here while this one pretrains, one thread
-    # each (a check-size step gains nothing from a second thread: docs/learning-check.md, decision 41)
-    pending = stages.start(BESIDE, dict(refs.values()), 1, threads=1) if beside else None
-    threads = one_thread() if beside else None
-    try:
-        run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
-        ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
-        probe_dir = RunFolder(run_dir).probe
-        f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
-        if [r["volume"] for r in f["rows"]] != [r["volume"] for r in rows]:
-            raise RuntimeError(f"{cache}: the features' rows are not the ones the label fractions were drawn from")
-        about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
-                 "source": source, "cohort_seed": seed if generated else None,
-                 "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
-                 "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
-                 "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
-                 "probe_standardize": pcfg.standardize}
-        dest = out / cue
-        head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
-        beside_done = pending.wait() if pending else {}
-    except BaseException:
-        if pending:
-            pending.cancel()
-        raise
-    finally:
-        if threads is not None:
-            set_threads(threads)
     tunes = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
                                f"{pct(frac)} of labels",
                                (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
                                             pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
                                             not at_once)))
              for frac, init, k in tune_keys}
-    jobs = dict(tunes.values()) if beside else dict([*refs.values(), *tunes.values()])
+    jobs = dict([*refs.values(), *tunes.values()])
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
         two = {e: f["feats"][e] for e in ("pretrained", "random_init")}
         jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], two, head["folds"], fractions)), **jobs}
     done = stages.together("references and fine-tuning", jobs) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
-    done.update(beside_done)
     sup, sup_training, tuned = {}, {}, {}
     for frac, (name, _) in refs.items():
         sup[frac], sup_training[pct(frac)] = stages.run(f"supervised features, {pct(frac)} of labels",
@@ -871,7 +805,6 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
 
 
 CURVE_JOB = "label-efficiency heads, pretrained and random init"
-BESIDE = "supervised references, beside pretraining"
 BEFORE_TOKENS = "INTERIM, every row but the token probe's"
 INTERIM = ("INTERIM, before the supervised references, label efficiency, fine-tuning and token probe "
            "(result.json has them when the check ends)")
@@ -938,9 +871,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="train the supervised reference at this label fraction only (repeatable; default every "
                          "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
     ap.add_argument("--one-at-a-time", action="store_true",
-                    help="train the supervised references and fine-tuning runs one after another, after the "
-                         "pretraining (the GPU size runs them at once, each in its own process; the CPU size "
-                         "trains the references beside the pretraining)")
+                    help="train the supervised references and fine-tuning runs one after another (the GPU size "
+                         "runs them at once, each in its own process)")
     ap.add_argument("--supervised-full-budget", action="store_true",
                     help="the supervised references train all max_steps at any size (the GPU size's stop on val, "
                          "decision 17: this measures what the stopping costs them)")
@@ -971,8 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
               supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
               supervised_args=size.supervised_args if a.config is None else (),
-              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time,
-              beside=size.beside and not a.one_at_a_time)
+              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

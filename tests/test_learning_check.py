@@ -4,7 +4,6 @@ reference too), the label-efficiency curve and the held-out scanners are scored,
 does only what is left."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -36,12 +35,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
-    refs = {f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%")}
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
-                                  learning_check.BESIDE, *refs,
-                                  *(f"supervised features, {f} of labels" for f in ("100%", "25%", "10%"))}
-    # the CPU size trains its references in a process of their own while it pretrains (decision 41)
-    assert {k for k, v in res["stages"].items() if v.get("together") == learning_check.BESIDE} == refs
+                                  *(f"supervised {what}, {f} of labels" for what in ("reference", "features")
+                                    for f in ("100%", "25%", "10%"))}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
         assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9
@@ -119,37 +115,6 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert 2 <= len(sres["per_scanner"]) <= 4                             # of the four devices, those with test rows
     assert sres["tasks"]["diabetic"]["test_rows"] == res["tasks"]["diabetic"]["test_rows"]  # each test row once
 
-
-
-def _wait_for(path: str) -> str:
-    """A job that waits (at most a minute) for the file the caller writes after starting it."""
-    import time
-
-    for _ in range(600):
-        if Path(path).exists():
-            return Path(path).read_text()
-        time.sleep(0.1)
-    return "the caller never went on"
-
-
-def test_jobs_started_beside_run_in_their_own_process_while_this_one_goes_on(tmp_path):
-    """Stages.start (the CPU size's references beside the pretraining, decision 41): the jobs run in
-    a process of their own with the threads asked for, one after another, while the caller goes on
-    (the first job waits for a file the caller writes after starting it); `wait` gathers them in the
-    order given with their times; `cancel` ends a running job at once."""
-    import time
-
-    stages, flag = learning_check.Stages(), tmp_path / "went_on"
-    pending = stages.start("beside", {"wait": (_wait_for, (str(flag),)), "threads": (learning_check.one_thread, ())},
-                           1, threads=1)
-    flag.write_text("went on")
-    assert pending.wait() == {"wait": "went on", "threads": 1}           # one torch thread in the job's process
-    assert stages.times["wait"]["together"] == stages.times["threads"]["together"] == "beside"
-    assert stages.times["beside"]["wall_s"] > 0
-    slow = stages.start("cut", {"long": (time.sleep, (120,))}, 1)
-    t0 = time.perf_counter()
-    slow.cancel()
-    assert time.perf_counter() - t0 < 60
 
 
 def test_supervised_code_covers_what_the_reference_imports_from_evals():
@@ -267,6 +232,8 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
 def test_the_supervised_reference_is_named_for_its_participants():
     """Issue 40, item 9: a reference trained on one label fraction's participants is not reused for
     another subset (a re-run with `--probe seed=N` draws other participants)."""
+    from pathlib import Path
+
     a = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1002"}, "_10pct")
     b = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1003"}, "_10pct")
     full = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], None, "")
