@@ -209,18 +209,19 @@ class Finetuner:
         self.ckpt_dir = self.folder.checkpoints()
         saved = self._saved_state()
         self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
-        if saved is not None:  # the saved head's kind, shape and statistics: no start features to recompute
+        fitted = None
+        if saved is not None:  # the saved head's kind and fitted start: no start features to recompute
             self.kind, self.head_fit = saved[1]["finetune"]["head"], saved[1]["finetune"].get("head_fit")
-            self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
-            self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(rt.device)
         else:
             self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
-            torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
-            self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
-            if fitted is not None:
-                self.model.head = fitted
-            elif cfg.standardize:
-                self.model.head = self.scaled(self.model.head)
+        torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
+        self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
+        if saved is not None:  # shaped as saved (its scalers' statistics load in _resume)
+            self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(rt.device)
+        elif fitted is not None:
+            self.model.head = fitted
+        elif cfg.standardize:
+            self.model.head = self.scaled(self.model.head)
         set_drop_path(self.model.encoder, cfg.drop_path)
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
