@@ -128,6 +128,11 @@ class ChannelScaler(nn.Module):
         """Buffers of `dim` channels to load saved statistics into (load_state_dict)."""
         return cls(np.zeros((1, dim), np.float32))
 
+    @classmethod
+    def identity(cls) -> "ChannelScaler":
+        """The "off" scaler (standardize: false), with no statistics: a saved head behind one loads as it."""
+        return cls(np.zeros((1, 1), np.float32), on=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [..., d], scaled where `on`."""
         return (x - self.mean) / self.std if self.on else x
@@ -276,7 +281,7 @@ def shaped_like(kind: str, head: nn.Module, state: dict) -> nn.Module:
 
     def scaler(name: str) -> ChannelScaler:
         w = state.get(f"{name}.mean")
-        return ChannelScaler.of_width(w.shape[0]) if w is not None else ChannelScaler(np.zeros((1, 1)), on=False)
+        return ChannelScaler.of_width(w.shape[0]) if w is not None else ChannelScaler.identity()
     tokens = "scale_t.mean" in state or reads_tokens(kind)
     return ScaledHeads(head, scaler("scale_p"), scaler("scale_t") if tokens else None)
 

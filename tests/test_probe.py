@@ -237,6 +237,8 @@ def test_a_channel_constant_in_training_is_left_unscaled():
     moved = torch.tensor([[3.0, 4.5, 1.0]])
     assert float(scaler(moved)[0, 0]) == 2.0 and float(scaler(moved)[0, 2]) == 0.0
     assert probe_heads.ChannelScaler(x, on=False)(moved) is moved
+    off = probe_heads.ChannelScaler.identity()
+    assert off(moved) is moved and not dict(off.named_buffers())  # nothing to save or load
 
 
 def test_min_steps_trains_few_rows_for_more_epochs(monkeypatch):
