@@ -130,7 +130,7 @@ class ChannelScaler(nn.Module):
 
     @classmethod
     def identity(cls) -> "ChannelScaler":
-        """The "off" scaler (standardize: false), with no statistics: a saved head behind one loads as it."""
+        """The scaler of a head trained with standardize: false: the identity, with no buffers to save or load."""
         return cls(np.zeros((1, 1), np.float32), on=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
