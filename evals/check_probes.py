@@ -135,51 +135,86 @@ def mean_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray,
     return pm.contrast_ci(y[mask], terms, groups[mask], k, n_boot, seed)
 
 
+def draws(fit) -> list[dict]:
+    """An encoder's fits as a list: a random-init row reads the mean of several draws (decision 44,
+    docs/learning-check.md), any other encoder is one fit_encoder result."""
+    return fit if isinstance(fit, list) else [fit]
+
+
+def probs(fit, kind: str = CHOSEN) -> list[np.ndarray]:
+    """Each draw's test-row probabilities for a head kind."""
+    return [d[kind]["prob"] for d in draws(fit)]
+
+
 def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
     """Pretrained against random-init for each head kind and for the heads each chose on val:
-    the learning check's table (fits: {encoder: fit_encoder(...)})."""
+    the learning check's table (fits: {encoder: fit_encoder(...), or a list of them for random
+    init's draws, whose mean the row reads; each draw's own row is kept under `random_draws`})."""
     te = tested_rows(fs)
     _, _, groups, k = task_arrays(task, rows)
     out = {"task": task, "classes": k, "test_rows": int(te.sum()), "test_participants": int(len(set(groups[te]))),
            "majority_class": score(task, rows, majority(task, rows, fs), te, n_boot, seed)["balanced_accuracy"],
            "comparisons": {}}
-    for kind in fits["pretrained"]:
-        p, r = fits["pretrained"][kind], fits["random_init"][kind]
-        sp, sr = (score(task, rows, f["prob"], te, n_boot, seed) for f in (p, r))
+    p, r = draws(fits["pretrained"]), draws(fits["random_init"])
+    for kind in p[0]:
+        pp, rp = probs(p, kind), probs(r, kind)
+        sp, sr = (mean_score(task, rows, x, te, n_boot, seed) for x in (pp, rp))
         out["comparisons"][kind] = {
-            "pretrained_head": _heads(p), "random_head": _heads(r),
+            "pretrained_head": _heads(_kind(p, kind)), "random_head": _heads(_kind(r, kind)),
             "pretrained": sp["balanced_accuracy"], "pretrained_ci95": sp["ci95"],
             "random_init": sr["balanced_accuracy"], "random_init_ci95": sr["ci95"],
-            "val": {"pretrained": p["val"], "random_init": r["val"]},
-            **({"val_best": {"pretrained": _heads(p, "val_best"), "random_init": _heads(r, "val_best")}}
+            "val": {"pretrained": _mean_val(p, kind), "random_init": _mean_val(r, kind)},
+            **({"val_best": {"pretrained": _heads(_kind(p, kind), "val_best"),
+                             "random_init": _heads(_kind(r, kind), "val_best")}}
                if kind == CHOSEN else {}),  # the heads the best val score alone would have used
-            **paired(task, rows, p["prob"], r["prob"], te, n_boot, seed)}
+            **mean_paired(task, rows, pp, rp, te, n_boot, seed),
+            **({"random_draws": draw_rows(task, rows, pp, r, te, n_boot, seed)} if len(r) > 1 and kind == CHOSEN else {})}
     return out
 
 
+def draw_rows(task: str, rows: list[dict], pretrained: list, rand: list, mask: np.ndarray, n_boot: int,
+              seed: int) -> list[dict]:
+    """Each random-init draw's own row, heads chosen on val (draw 1 is the one encoder the check read
+    before decision 44)."""
+    return [{"draw": i, "random_init": score(task, rows, d[CHOSEN]["prob"], mask, n_boot, seed)["balanced_accuracy"],
+             "head": _heads(d[CHOSEN]), **mean_paired(task, rows, pretrained, [d[CHOSEN]["prob"]], mask, n_boot, seed)}
+            for i, d in enumerate(rand, 1)]
+
+
+def _kind(fits: list[dict], kind: str) -> list[dict]:
+    return [f[kind] for f in fits]
+
+
+def _mean_val(fits: list[dict], kind: str) -> float:
+    return float(np.mean([f[kind]["val"] for f in fits]))
+
+
 def per_scanner(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
-    """Each held-out scanner's test rows: both encoders (heads chosen on val) and the paired difference."""
-    p, r = fits["pretrained"][CHOSEN]["prob"], fits["random_init"][CHOSEN]["prob"]
+    """Each held-out scanner's test rows: both encoders (heads chosen on val; random init the mean of
+    its draws) and the paired difference."""
+    p, r = probs(fits["pretrained"]), probs(fits["random_init"])
     out = {}
     for name, _, _, te in fs:
-        out[name] = {"pretrained": score(task, rows, p, te, n_boot, seed)["balanced_accuracy"],
-                     "random_init": score(task, rows, r, te, n_boot, seed)["balanced_accuracy"],
-                     **paired(task, rows, p, r, te, n_boot, seed)}
+        out[name] = {"pretrained": mean_score(task, rows, p, te, n_boot, seed)["balanced_accuracy"],
+                     "random_init": mean_score(task, rows, r, te, n_boot, seed)["balanced_accuracy"],
+                     **mean_paired(task, rows, p, r, te, n_boot, seed)}
     return out
 
 
 def curve_point(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
-    """One label fraction: each encoder's test score (heads chosen on val) and pretrained minus
-    each other encoder, paired."""
+    """One label fraction: each encoder's test score (heads chosen on val; random init the mean of
+    its draws) and pretrained minus each other encoder, paired."""
     te = tested_rows(fs)
-    chosen = {name: f[CHOSEN] for name, f in fits.items()}
-    out = {name: {**score(task, rows, c["prob"], te, n_boot, seed), "heads": _heads(c)} for name, c in chosen.items()}
+    chosen = {name: probs(f) for name, f in fits.items()}
+    out = {name: {**mean_score(task, rows, chosen[name], te, n_boot, seed), "heads": _heads(_kind(draws(f), CHOSEN))}
+           for name, f in fits.items()}
     for other in chosen:
         if other != "pretrained":
-            out[f"pretrained_minus_{other}"] = paired(task, rows, chosen["pretrained"]["prob"], chosen[other]["prob"],
-                                                      te, n_boot, seed)
+            out[f"pretrained_minus_{other}"] = mean_paired(task, rows, chosen["pretrained"], chosen[other], te, n_boot,
+                                                           seed)
     return out
 
 
-def _heads(fit: dict, key: str = "heads") -> str:
-    return "/".join(sorted(set(fit[key])))
+def _heads(entry, key: str = "heads") -> str:
+    """The head kinds one head kind's entry of a fit (or of each draw's fit, a list) used, joined."""
+    return "/".join(sorted({h for e in (entry if isinstance(entry, list) else [entry]) for h in e[key]}))

@@ -32,12 +32,16 @@ class ProbeConfig:
     per_device: bool = True
     cross_device: bool = True
     baselines: bool = True
+    baseline_draws: int = 1            # random-init encoders drawn (init seeds seed + 1, ...); the learning check
+                                       # reads their mean (decision 44, docs/learning-check.md)
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
 
     def __post_init__(self):
         if self.min_steps < 0:
             raise FieldError("min_steps", f"{self.min_steps} is negative")
+        if self.baseline_draws < 1:
+            raise FieldError("baseline_draws", f"{self.baseline_draws}; needs at least 1")
 
 
 @dataclasses.dataclass

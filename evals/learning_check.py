@@ -78,11 +78,12 @@ class Size:
     supervised_stop: supervised.Stopping = supervised.Stopping()
     supervised_args: tuple[str, ...] = ()
     together: bool = False  # the references and fine-tuning runs at once, each in its own process (Stages.together)
+    random_draws: int = 3   # random-init encoders whose mean each random-init row reads (decision 44)
 
 
 SIZES = {"cpu": Size("configs/pretrain_check.yaml"),
          "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
-                     ("batch_size=128", "max_steps=3700"), together=True)}
+                     ("batch_size=128", "max_steps=3700"), together=True, random_draws=5)}
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
@@ -362,11 +363,11 @@ def chosen_on_val(res: dict, encoder: str) -> str:
 
 
 def reference_row(task: str, rows: list[dict], sup: dict, rand: dict, fs: list, n_boot: int, seed: int) -> dict:
-    """The supervised reference (all labels) against the random-init encoder, heads chosen on val."""
+    """The supervised reference (all labels) against the random-init encoder (the mean of its draws),
+    heads chosen on val."""
     te = check_probes.tested_rows(fs)
-    s, r = (check_probes.score(task, rows, f[check_probes.CHOSEN]["prob"], te, n_boot, seed) for f in (sup, rand))
-    d = check_probes.paired(task, rows, sup[check_probes.CHOSEN]["prob"], rand[check_probes.CHOSEN]["prob"], te,
-                            n_boot, seed)
+    s, r = (check_probes.mean_score(task, rows, check_probes.probs(f), te, n_boot, seed) for f in (sup, rand))
+    d = check_probes.mean_paired(task, rows, check_probes.probs(sup), check_probes.probs(rand), te, n_boot, seed)
     return {"supervised": s["balanced_accuracy"], "supervised_ci95": s["ci95"], "random_init": r["balanced_accuracy"],
             "head": check_probes._heads(sup[check_probes.CHOSEN]), **d}
 
@@ -416,13 +417,32 @@ def verdict(result: dict) -> str:
     eff = label_efficiency_check(result)
     ok = ok and (eff is None or eff[0])
     how = " (transductive pretraining)" if result["protocol"] == "scanners" else ""
-    return (f"learning-check [{result['cue']}]{how}: {'PASS' if ok else 'FAIL'}: pretrained - random-init balanced accuracy "
+    return (f"learning-check [{result['cue']}]{how}: {'PASS' if ok else 'FAIL'}: pretrained - random-init"
+            f"{draws_said(result)} balanced accuracy "
             f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} "
             f"[{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
             f"[{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] ({m['pretrained']:.3f} vs "
             f"{m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} >= +{target:.2f} with the "
             f"interval above 0{f', {MULTI} >= 0' if need_multi else ''}")
+
+
+def draws_said(result: dict) -> str:
+    """' (mean of K draws)' where random init is read over several draws (decision 44); '' for one."""
+    k = result.get("random_draws", 1)
+    return f" (mean of {k} draws)" if k > 1 else ""
+
+
+def draws_line(result: dict) -> str | None:
+    """Each random-init draw's row for the binary task, heads chosen on val (None for one draw)."""
+    c = result["tasks"][BINARY]["comparisons"][check_probes.CHOSEN]
+    if "random_draws" not in c:
+        return None
+    seeds = result.get("random_init_seeds") or [None] * len(c["random_draws"])
+    each = "; ".join(f"draw {d['draw']} (init seed {s}) {d['random_init']:.3f} ({d['head']}), pretrained - it {_diff(d)}"
+                     for d, s in zip(c["random_draws"], seeds))
+    return (f"Random init is the mean of {len(c['random_draws'])} encoders drawn with their own init seeds, each "
+            f"with its heads chosen on val (decision 44); {BINARY}: {each}.")
 
 
 def _f(v) -> str:
@@ -453,6 +473,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {label} ({heads}) | {_num(c['val']['pretrained'])} / {_num(c['val']['random_init'])} | "
                          f"{c['pretrained']:.3f} | {c['random_init']:.3f} | {_diff(c)} |")
         lines.append("")
+    if draws_line(result):
+        lines += [draws_line(result), ""]
     if result.get("per_scanner"):
         lines += [f"Each scanner held out ({BINARY}, heads chosen on the other scanners' val rows):", "",
                   "| held-out scanner | participants | pretrained | random-init | pretrained - random [95% CI] |",
@@ -479,7 +501,8 @@ def markdown(result: dict) -> str:
               "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
               f"{', the supervised reference trained on the same ones' if with_sup else ''}"
               f"{head_steps(result['label_efficiency'])}):", "",
-              "| labels (participants) | pretrained | random-init | " + ("supervised | " if with_sup else "") +
+              f"| labels (participants) | pretrained | random-init{draws_said(result)} | " +
+              ("supervised | " if with_sup else "") +
               "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
               "|---|---|---|---|" + ("---|---|" if with_sup else "")]
     for p in pts:
@@ -648,23 +671,24 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
     Done once, right after the features (the interim result); probe_all builds on it. `together`:
     the four fits each in its own process at once (the GPU size: a head's step of batch 32 leaves
     the GPU mostly idle; the same fits as one after another)."""
-    fs = check_probes.folds(rows, protocol)
-    keys = [(t, e) for t in (MULTI, BINARY) for e in ("pretrained", "random_init")]
+    fs, rand = check_probes.folds(rows, protocol), probe.random_draws(feats)
+    keys = [(t, e) for t in (MULTI, BINARY) for e in ("pretrained", *rand)]
     jobs = {k: (check_probes.fit_encoder, (pcfg, feats[k[1]], k[0], rows, fs)) for k in keys}
     done = in_processes(jobs, len(jobs)) if together else {k: _call(job) for k, job in jobs.items()}
-    fits = {t: {e: done[(t, e)] for e in ("pretrained", "random_init")} for t in (MULTI, BINARY)}
+    fits = {t: {"pretrained": done[(t, "pretrained")], "random_init": [done[(t, e)] for e in rand]}
+            for t in (MULTI, BINARY)}
     return {"folds": fs, "fits": fits,
             "tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, pcfg.seed) for t in (MULTI, BINARY)}}
 
 
 def curve_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, fs: list, fractions) -> dict:
-    """{(fraction, encoder): fit_encoder's result}: the pretrained and random-init encoders' binary
-    heads at each curve fraction below all labels, each fold's heads for its full split's steps
+    """{(fraction, encoder): fit_encoder's result}: the pretrained encoder's and each random-init draw's
+    binary heads at each curve fraction below all labels, each fold's heads for its full split's steps
     (decision 32). They need no reference, so at GPU size they train in their own process beside
     the references (Stages.together) rather than after them in the probes stage."""
     people = subsets.nested_fractions(rows, fractions, pcfg.seed)
     return {(f, e): check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, check_probes.narrowed(fs, rows, people[f]), fs)
-            for f in sorted(people) if f < 1.0 for e in ("pretrained", "random_init")}
+            for f in sorted(people) if f < 1.0 for e in ("pretrained", *probe.random_draws(feats))}
 
 
 def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
@@ -692,7 +716,9 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
             frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff, full))
             continue
-        encs = {e: fits[BINARY][e] if f == 1.0 else curve_fit[(f, e)] for e in ("pretrained", "random_init")}
+        encs = {"pretrained": fits[BINARY]["pretrained"] if f == 1.0 else curve_fit[(f, "pretrained")],
+                "random_init": fits[BINARY]["random_init"] if f == 1.0 else
+                [curve_fit[(f, e)] for e in probe.random_draws(feats)]}
         if f in sup:
             encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff, full)
         if f in tuned:
@@ -714,8 +740,10 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
-          reference_fractions: Sequence[float] | None = None, together: bool = False) -> dict:
+          reference_fractions: Sequence[float] | None = None, together: bool = False, random_draws: int = 1) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
+    `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
+    the size's, from main).
     `supervised_args`: the references' own overrides, before `overrides` (the size's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
     of the curve's; the curve keeps its frozen rows at the others). `together`: the references
@@ -735,7 +763,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
-                        "baselines=true", f"device={device}", *probe_args])
+                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}", *probe_args])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -746,7 +774,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
-             "probe_standardize": pcfg.standardize}
+             "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
+             "random_init_seeds": [pcfg.seed + d for d in range(1, pcfg.baseline_draws + 1)]}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
@@ -770,8 +799,8 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              for frac, init, k in tune_keys}
     jobs = dict([*refs.values(), *tunes.values()])
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
-        two = {e: f["feats"][e] for e in ("pretrained", "random_init")}
-        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], two, head["folds"], fractions)), **jobs}
+        mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
+        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], fractions)), **jobs}
     done = stages.together("references and fine-tuning", jobs) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
@@ -886,6 +915,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--finetune-seeds", type=int, default=1,
                     help="with --finetune, training seeds per init on the same participants; rows are their mean "
                          "(make FT_SEEDS=...)")
+    ap.add_argument("--random-draws", type=int, default=None,
+                    help="random-init encoders whose mean each random-init row reads (default: the size's, "
+                         + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")
     ap.add_argument("--line", metavar="RUN", default=None,
                     help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
@@ -893,6 +925,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.line:
         print(probe_line(RunFolder(a.line).probe))
         return 0
+    if a.random_draws is not None and a.random_draws < 1:
+        raise cli.UsageError(f"--random-draws: {a.random_draws}; needs at least 1")
     if a.finetune_seeds < 1:
         raise cli.UsageError(f"--finetune-seeds (FT_SEEDS): {a.finetune_seeds}; needs at least 1")
     t0 = time.perf_counter()
@@ -903,7 +937,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
               supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
               supervised_args=size.supervised_args if a.config is None else (),
-              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time)
+              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time,
+              random_draws=a.random_draws or size.random_draws)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -237,9 +237,27 @@ def check_tasks(cfg: ProbeConfig) -> None:
         raise cli.UsageError(f"heads: unknown head kind {unknown[0]!r} (known: {', '.join(probe_heads.HEADS)})")
 
 
+RANDOM_INIT = "random_init"
+
+
+def random_draw(draw: int) -> str:
+    """The features' name of random-init draw `draw` (1-based; init seed probe seed + draw): the first
+    keeps the name it had when there was one."""
+    return RANDOM_INIT if draw == 1 else f"{RANDOM_INIT}_{draw}"
+
+
+def random_draws(feats: dict) -> list[str]:
+    """The random-init draws among the features, in draw order."""
+    names, draw = [], 1
+    while random_draw(draw) in feats:
+        names.append(random_draw(draw))
+        draw += 1
+    return names
+
+
 def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, state: dict | None = None) -> dict:
-    """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of a
-    random-init one of the same architecture, extracted once and kept under <probe_dir>/features.
+    """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of
+    `baseline_draws` random-init ones of the same architecture, extracted once and kept under <probe_dir>/features.
     `state`: the checkpoint already loaded by a caller that reads more of it (loaded once)."""
     check_tasks(cfg)
     enc, tcfg, ident = features.checkpoint_encoder(ckpt, state=state)
@@ -249,9 +267,9 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     encoders = {"pretrained": (enc, ident)}
-    if cfg.baselines:
-        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + 1, train_cfg=tcfg)
-        encoders["random_init"] = (r_enc, r_ident)
+    for draw in range(1, cfg.baseline_draws + 1) if cfg.baselines else ():
+        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + draw, train_cfg=tcfg)
+        encoders[random_draw(draw)] = (r_enc, r_ident)
     feats, reused = {}, {}
     precision = features.resolve_precision(cfg.precision, cfg.device)
     for name, (e, idn) in encoders.items():

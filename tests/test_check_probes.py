@@ -74,3 +74,63 @@ def test_a_label_fraction_trains_as_many_steps_as_its_full_fold(monkeypatch):
     seen.clear()
     check_probes.fit_encoder(dataclasses.replace(cfg, min_steps=9), feats, "diabetic", rows, narrow, full=fs)
     assert seen == [9, 14]
+
+
+def _draw_fits(n_draws: int):
+    """Rows, folds and fits of a pretrained encoder and `n_draws` random-init ones on random
+    features (two heads each, the scanners' four folds)."""
+    from evals.config import ProbeConfig
+
+    rng = np.random.default_rng(1)
+    n = 240
+    rows = [{"label": 3 * ((i // 2) % 2), "split": ["train", "train", "val", "test"][(i // 2) % 4],
+             "participant_id": f"p{i // 2}", "device": f"d{(i // 8) % 4}"} for i in range(n)]
+    cfg = ProbeConfig(heads=["linear", "attentive"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16,
+                      bootstrap=50, token_pool=(1, 1, 1))
+    fs = check_probes.folds(rows, "scanners")
+
+    def fit(shift):
+        pooled = rng.normal(size=(n, 4)).astype(np.float32)
+        pooled[:, 0] += shift * np.array([r["label"] > 0 for r in rows])
+        feats = {"pooled": pooled, "tokens": np.repeat(pooled[:, None], 3, 1)}
+        return check_probes.fit_encoder(cfg, feats, "diabetic", rows, fs)
+
+    return rows, fs, fit(1.5), [fit(0.3 * d) for d in range(n_draws)]
+
+
+def test_one_random_draw_gives_the_rows_it_gave_before_the_draws():
+    """Decision 44: a list of one random-init fit gives every row the fit itself gives (the rows
+    of the check before it read several draws), to the last digit."""
+    rows, fs, pre, (rand,) = _draw_fits(1)
+    one, listed = {"pretrained": pre, "random_init": rand}, {"pretrained": pre, "random_init": [rand]}
+    for fn in (check_probes.compare, check_probes.per_scanner, check_probes.curve_point):
+        assert fn("diabetic", rows, one, fs, 50, 0) == fn("diabetic", rows, listed, fs, 50, 0), fn.__name__
+    assert "random_draws" not in check_probes.compare("diabetic", rows, listed, fs, 50, 0)["comparisons"][
+        check_probes.CHOSEN]
+
+
+def test_random_init_rows_are_the_mean_of_their_draws():
+    """Decision 44: the random-init score is the mean of the draws' scores, pretrained minus it
+    the mean of pretrained minus each; each draw's own row is kept, draw 1's the one-draw row."""
+    rows, fs, pre, rand = _draw_fits(3)
+    c = check_probes.compare("diabetic", rows, {"pretrained": pre, "random_init": rand}, fs, 50, 0)
+    chosen = c["comparisons"][check_probes.CHOSEN]
+    each = chosen["random_draws"]
+    assert [d["draw"] for d in each] == [1, 2, 3]
+    assert len({d["random_init"] for d in each}) > 1                     # the draws differ
+    assert abs(chosen["random_init"] - np.mean([d["random_init"] for d in each])) < 1e-12
+    assert abs(chosen["difference"] - np.mean([d["difference"] for d in each])) < 1e-12
+    assert abs(chosen["difference"] - (chosen["pretrained"] - chosen["random_init"])) < 1e-12
+    lo, hi = chosen["difference_ci95"]
+    assert lo <= chosen["difference"] <= hi
+    one = check_probes.compare("diabetic", rows, {"pretrained": pre, "random_init": rand[0]}, fs, 50, 0)
+    first = one["comparisons"][check_probes.CHOSEN]
+    assert each[0]["random_init"] == first["random_init"] and each[0]["difference"] == first["difference"]
+    assert each[0]["difference_ci95"] == first["difference_ci95"] and each[0]["head"] == first["random_head"]
+    assert chosen["random_head"] == "/".join(sorted({h for f in rand for h in f[check_probes.CHOSEN]["heads"]}))
+    assert all("random_draws" not in c["comparisons"][k] for k in ("linear", "attentive"))
+    scanners = check_probes.per_scanner("diabetic", rows, {"pretrained": pre, "random_init": rand}, fs, 50, 0)
+    for name, _, _, te in fs:
+        alone = [check_probes.score("diabetic", rows, f[check_probes.CHOSEN]["prob"], te, 50, 0)["balanced_accuracy"]
+                 for f in rand]
+        assert abs(scanners[name]["random_init"] - np.mean(alone)) < 1e-12

@@ -5,6 +5,7 @@ does only what is left."""
 import json
 import re
 
+import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_train_args
@@ -20,11 +21,12 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
              if not a.startswith(("name=", "runs_dir=", "data.cache="))]
     train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
-    args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", *PROBE, *train]
+    args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--random-draws", "2",
+            *PROBE, *train]
     r = run_cli("evals.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     verdict = r.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init" in verdict
+    assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init (mean of 2 draws)" in verdict
     res = json.loads((out / "lesions" / "result.json").read_text())
     assert res["verdict"] == verdict and res["step"] == 4 and res["cohort_seed"] == 16
     for task, classes in (("diabetic", 2), ("study_group", 4)):
@@ -35,6 +37,11 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
             assert lo <= hi and c["participants"] == t["test_participants"]
+        draws = t["comparisons"]["chosen_on_val"]["random_draws"]          # random init: the mean of two draws
+        assert [d["draw"] for d in draws] == [1, 2]
+        assert abs(t["comparisons"]["chosen_on_val"]["random_init"] - np.mean([d["random_init"] for d in draws])) < 1e-9
+    assert res["random_draws"] == 2 and res["random_init_seeds"] == [1, 2]
+    assert learning_check.draws_line(res) in (out / "lesions" / "result.md").read_text()
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   *(f"supervised {what}, {f} of labels" for what in ("reference", "features")
                                     for f in ("100%", "25%", "10%"))}
@@ -73,7 +80,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert "nothing to do" in again.stdout                       # the run is at max_steps already
     assert re.search(r"cache: \d+ rows in shard 0/1: \d+ reused, 0 processed", again.stdout)
     res2 = json.loads((out / "lesions" / "result.json").read_text())
-    assert res2["features_reused"] == {"pretrained": True, "random_init": True}
+    assert res2["features_reused"] == {"pretrained": True, "random_init": True, "random_init_2": True}
     assert res2["tasks"] == res["tasks"] and res2["label_efficiency"] == res["label_efficiency"]
     tuned = res2["finetune"]["points"]                                   # fine-tuned from the checkpoint and from random
     assert [p["fraction"] for p in tuned] == [0.5, 1.0]
@@ -315,6 +322,7 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
 
 
 GPU_TINY = ["--size", "gpu", "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
+            "--random-draws", "2",
             "device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
             "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
             "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
@@ -366,6 +374,9 @@ def gpu_dry_run(tmp_path, out, capsys):
     printed = capsys.readouterr().out
     assert learning_check.INTERIM in printed   # the headline rows' verdict, printed before the references
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
+    # random init's two draws (decision 44) in the headline's processes and the curve's job alike
+    assert res["random_draws"] == 2 and len(res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["random_draws"]) == 2
+    assert "random-init (mean of 2 draws)" in (tmp_path / out / "lesions" / "result.md").read_text()
     assert res["verdict"] in printed
     return res
 
@@ -395,12 +406,19 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
 
     def fake_check(*args, **kwargs):
         seen.append((args[3], kwargs["supervised_stop"], kwargs["supervised_args"]))
+        draws.append(kwargs["random_draws"])
         raise SystemExit(0)
 
+    draws = []
     monkeypatch.setattr(learning_check, "check", fake_check)
-    for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"]):
+    for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"],
+                 ["--size", "cpu", "--random-draws", "1"]):
         with pytest.raises(SystemExit):
             learning_check.main(argv)
+    assert draws == [5, 3, 5, 1]                                          # decision 44: the size's, or the flag's
+    seen.pop()
+    with pytest.raises(cli.UsageError, match="--random-draws"):
+        learning_check.main(["--random-draws", "0"])
     # the GPU size's references keep decision 17's 3,700 steps of 128 (decision 28 halved the pretraining's steps)
     gpu_refs = ("batch_size=128", "max_steps=3700")
     assert seen == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4), gpu_refs),

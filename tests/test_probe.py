@@ -123,6 +123,21 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
     assert [f.stat().st_mtime_ns for f in feats] == mtimes
 
 
+def test_random_init_draws_are_encoders_of_their_own_init_seeds(signal_run):
+    """`baseline_draws` (decision 44): random-init encoders drawn with init seeds seed + 1, + 2,
+    each extracted and probed under its own name, the first keeping the name it had alone."""
+    cfg = _cfg(signal_run, cross_device=False, per_device=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
+    out = probe.run(cfg)
+    assert set(out["features_reused"]) == {"pretrained", "random_init", "random_init_2"}
+    assert {p["encoder"] for p in out["results"]["diabetic"]["probes"]} == {"pretrained", "random_init",
+                                                                           "random_init_2", "none"}
+    f = probe.checkpoint_features(cfg, out["ckpt"], signal_run / "runs" / "p" / "probe")
+    assert all(f["reused"].values()) and probe.random_draws(f["feats"]) == ["random_init", "random_init_2"]
+    assert not np.allclose(f["feats"]["random_init"]["pooled"], f["feats"]["random_init_2"]["pooled"])
+    with pytest.raises(config.ConfigError, match="baseline_draws"):
+        _cfg(signal_run, baseline_draws=0)
+
+
 def test_shuffled_labels_stay_at_chance(signal_run):
     out = probe.run(_cfg(signal_run, shuffle_labels=True, cross_device=False, baselines=False))
     assert _score(out["results"]["study_group"], "pretrained", "linear") < 0.45
