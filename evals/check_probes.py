@@ -168,7 +168,8 @@ def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed
                              "random_init": _heads(_kind(r, kind), "val_best")}}
                if kind == CHOSEN else {}),  # the heads the best val score alone would have used
             **mean_paired(task, rows, pp, rp, te, n_boot, seed),
-            **({"random_draws": draw_rows(task, rows, pp, r, te, n_boot, seed)} if len(r) > 1 and kind == CHOSEN else {})}
+            **({"random_draws": draw_rows(task, rows, pp, r, te, n_boot, seed)}
+               if len(r) > 1 and kind == CHOSEN else {})}
     return out
 
 

@@ -73,7 +73,8 @@ class Size:
     (one cohort and cache for all), how its supervised references stop (decision 17: at GPU size
     3,700 steps of 128 would be 3,000 epochs of the 10% labels; at CPU size they train them all),
     and the references' own size keys, before ARGS (decision 28: the GPU pretraining went to 1,850
-    steps of 256, its references stay at decision 17's 3,700 of 128, the rule's steps)."""
+    steps of 256, its references stay at decision 17's 3,700 of 128, the rule's steps), and how many
+    random-init encoders its random-init rows average (decision 44)."""
     config: str
     supervised_stop: supervised.Stopping = supervised.Stopping()
     supervised_args: tuple[str, ...] = ()
@@ -668,9 +669,10 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
                     together: bool = False) -> dict:
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
-    Done once, right after the features (the interim result); probe_all builds on it. `together`:
-    the four fits each in its own process at once (the GPU size: a head's step of batch 32 leaves
-    the GPU mostly idle; the same fits as one after another)."""
+    Done once, right after the features (the interim result); probe_all builds on it. Random init is
+    each of its draws (decision 44). `together`: the fits (two tasks, each encoder and draw) each in
+    its own process at once (the GPU size: a head's step of batch 32 leaves the GPU mostly idle; the
+    same fits as one after another)."""
     fs, rand = check_probes.folds(rows, protocol), probe.random_draws(feats)
     keys = [(t, e) for t in (MULTI, BINARY) for e in ("pretrained", *rand)]
     jobs = {k: (check_probes.fit_encoder, (pcfg, feats[k[1]], k[0], rows, fs)) for k in keys}
