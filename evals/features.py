@@ -61,17 +61,32 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
     """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (`token_dtype`; none without
     `tokens`), both pooled as the encoder's `model.pool` says; `precision` "bf16" runs the encoder under
     bf16 autocast; `pad` fills the last batch to `batch` rows (one compiled shape on XLA)."""
-    enc = enc.to(device)
-    pooled, grids = [], []
+    return extract_all({"": enc}, cfg, rows, cache, token_pool, device, batch, progress, precision, tokens,
+                       token_dtype, pad)[""]
+
+
+@torch.no_grad()
+def extract_all(encs: dict[str, Encoder], cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu",
+                batch: int = 4, progress=None, precision: str = "fp32", tokens: bool = True,
+                token_dtype=torch.float16, pad: bool = False) -> dict[str, dict]:
+    """`extract` for several encoders of one input shape in one pass over the cache: each batch is
+    read once and run through every encoder (the learning check's random-init draws: reading the
+    volumes is a large share of an encoder's pass on a GPU). Each encoder's features are the ones
+    `extract` gives it alone. Returns {name: features}."""
+    encs = {name: e.to(device) for name, e in encs.items()}
+    pooled, grids = {name: [] for name in encs}, {name: [] for name in encs}
     for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch, pad=pad):
-        with autocast(precision, device):
-            h = encoder.tokens(enc, x.to(device)).float()                             # [b, N, d]
-        pooled.append(enc.pool(h)[:n].cpu())
-        if tokens:
-            grids.append(enc.pool_grid(h, token_pool)[:n].to(token_dtype).cpu())
+        x = x.to(device)
+        for name, enc in encs.items():
+            with autocast(precision, device):
+                h = encoder.tokens(enc, x).float()                                    # [b, N, d]
+            pooled[name].append(enc.pool(h)[:n].cpu())
+            if tokens:
+                grids[name].append(enc.pool_grid(h, token_pool)[:n].to(token_dtype).cpu())
         if progress:
             progress(n)
-    return {"pooled": torch.cat(pooled).numpy(), "tokens": torch.cat(grids).numpy() if tokens else None}
+    return {name: {"pooled": torch.cat(pooled[name]).numpy(), "tokens": torch.cat(grids[name]).numpy() if tokens else None}
+            for name in encs}
 
 
 def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, precision: str = "fp32") -> str:
@@ -84,12 +99,26 @@ def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, pre
 
 def cached(out_dir: Path, key: str, compute) -> tuple[dict, bool]:
     """Load <out_dir>/<key>.npz, or compute and write it atomically. Returns (arrays, reused)."""
-    path = Path(out_dir) / f"{key}.npz"
-    if path.exists():
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files}, True
-    arrays = compute()
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    fsio.atomic_write_bytes(str(path), buf.getvalue())
-    return arrays, False
+    feats, reused = cached_all(out_dir, {"": key}, lambda names: {"": compute()})
+    return feats[""], reused[""]
+
+
+def cached_all(out_dir: Path, keys: dict[str, str], compute) -> tuple[dict, dict]:
+    """`cached` for several named keys: those on disk are loaded, the others computed together
+    (`compute(names)` -> {name: arrays}, one pass over the cache: extract_all) and each written
+    atomically as soon as all are computed. Returns ({name: arrays}, {name: reused})."""
+    paths = {name: Path(out_dir) / f"{key}.npz" for name, key in keys.items()}
+    feats, reused = {}, {name: path.exists() for name, path in paths.items()}
+    for name, path in paths.items():
+        if reused[name]:
+            with np.load(path) as z:
+                feats[name] = {k: z[k] for k in z.files}
+    missing = [name for name in keys if not reused[name]]
+    if missing:
+        computed = compute(missing)
+        for name in missing:
+            buf = io.BytesIO()
+            np.savez(buf, **computed[name])
+            fsio.atomic_write_bytes(str(paths[name]), buf.getvalue())
+            feats[name] = computed[name]
+    return {name: feats[name] for name in keys}, reused

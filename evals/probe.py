@@ -270,14 +270,12 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
     for draw in range(1, cfg.baseline_draws + 1) if cfg.baselines else ():
         r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + draw, train_cfg=tcfg)
         encoders[random_draw(draw)] = (r_enc, r_ident)
-    feats, reused = {}, {}
     precision = features.resolve_precision(cfg.precision, cfg.device)
-    for name, (e, idn) in encoders.items():
-        key = features.feature_key(idn, rows, tcfg, cfg.token_pool, precision)
-        feats[name], reused[name] = features.cached(
-            probe_dir / "features", key,
-            lambda e=e: features.extract(e, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch,
-                                         precision=precision))
+    keys = {name: features.feature_key(idn, rows, tcfg, cfg.token_pool, precision) for name, (_, idn) in encoders.items()}
+    # the encoders without kept features in one pass over the cache (each batch read once)
+    feats, reused = features.cached_all(probe_dir / "features", keys, lambda names: features.extract_all(
+        {n: encoders[n][0] for n in names}, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch,
+        precision=precision))
     return {"rows": rows, "feats": feats, "reused": reused, "step": ident["step"], "cache": cache,
             "probe_dir": probe_dir}
 

@@ -138,6 +138,37 @@ def test_random_init_draws_are_encoders_of_their_own_init_seeds(signal_run):
         _cfg(signal_run, baseline_draws=0)
 
 
+def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, tmp_path):
+    """features.extract_all: several encoders over one read of the cache give each the features
+    `extract` gives it alone, and cached_all computes only the keys not on disk, together."""
+    from conftest import tiny_train_args
+    from evals import features
+    from train import data
+    from train.config import TrainConfig
+
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", tiny_train_args(tiny_cache, tmp_path))
+    rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)[:5]
+    encs = {f"draw{s}": features.checkpoint_encoder(None, seed=s, train_cfg=cfg)[0] for s in (1, 2)}
+    together = features.extract_all(encs, cfg, rows, str(tiny_cache), (1, 2, 2), batch=2)
+    for name, enc in encs.items():
+        alone = features.extract(enc, cfg, rows, str(tiny_cache), (1, 2, 2), batch=2)
+        assert all(np.array_equal(together[name][k], alone[k]) for k in ("pooled", "tokens"))
+    assert not np.array_equal(together["draw1"]["pooled"], together["draw2"]["pooled"])
+    asked = []
+
+    def compute(names):
+        asked.append(list(names))
+        return {n: together[n] for n in names}
+
+    features.cached(tmp_path / "f", "k1", lambda: together["draw1"])                      # one kept already
+    got, reused = features.cached_all(tmp_path / "f", {"draw1": "k1", "draw2": "k2"}, compute)
+    assert asked == [["draw2"]] and reused == {"draw1": True, "draw2": False}
+    assert np.array_equal(got["draw1"]["pooled"], together["draw1"]["pooled"])
+    again, reused = features.cached_all(tmp_path / "f", {"draw1": "k1", "draw2": "k2"}, compute)
+    assert asked == [["draw2"]] and reused == {"draw1": True, "draw2": True}
+    assert np.array_equal(again["draw2"]["tokens"], together["draw2"]["tokens"])
+
+
 def test_shuffled_labels_stay_at_chance(signal_run):
     out = probe.run(_cfg(signal_run, shuffle_labels=True, cross_device=False, baselines=False))
     assert _score(out["results"]["study_group"], "pretrained", "linear") < 0.45
