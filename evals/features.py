@@ -61,8 +61,8 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
     """Pooled features [n, d] (float32) and grid-pooled tokens [n, N', d] (`token_dtype`; none without
     `tokens`), both pooled as the encoder's `model.pool` says; `precision` "bf16" runs the encoder under
     bf16 autocast; `pad` fills the last batch to `batch` rows (one compiled shape on XLA)."""
-    return extract_all({"": enc}, cfg, rows, cache, token_pool, device, batch, progress, precision, tokens,
-                       token_dtype, pad)[""]
+    return extract_all({"": enc}, cfg, rows, cache, token_pool, device=device, batch=batch, progress=progress,
+                       precision=precision, tokens=tokens, token_dtype=token_dtype, pad=pad)[""]
 
 
 @torch.no_grad()

@@ -777,7 +777,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
              "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
-             "random_init_seeds": [pcfg.seed + d for d in range(1, pcfg.baseline_draws + 1)]}
+             "random_init_seeds": probe.draw_seeds(pcfg)}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)

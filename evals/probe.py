@@ -246,6 +246,12 @@ def random_draw(draw: int) -> str:
     return RANDOM_INIT if draw == 1 else f"{RANDOM_INIT}_{draw}"
 
 
+def draw_seeds(cfg: ProbeConfig) -> list[int]:
+    """The init seeds of the random-init draws: probe seed + 1, ..., + baseline_draws (draw 1 is the
+    encoder the probes read when there was one)."""
+    return [cfg.seed + draw for draw in range(1, cfg.baseline_draws + 1)]
+
+
 def random_draws(feats: dict) -> list[str]:
     """The random-init draws among the features, in draw order."""
     names, draw = [], 1
@@ -267,8 +273,8 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     encoders = {"pretrained": (enc, ident)}
-    for draw in range(1, cfg.baseline_draws + 1) if cfg.baselines else ():
-        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=cfg.seed + draw, train_cfg=tcfg)
+    for draw, seed in enumerate(draw_seeds(cfg) if cfg.baselines else (), 1):
+        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed, train_cfg=tcfg)
         encoders[random_draw(draw)] = (r_enc, r_ident)
     precision = features.resolve_precision(cfg.precision, cfg.device)
     keys = {name: features.feature_key(idn, rows, tcfg, cfg.token_pool, precision) for name, (_, idn) in encoders.items()}

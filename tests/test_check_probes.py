@@ -99,14 +99,27 @@ def _draw_fits(n_draws: int):
 
 
 def test_one_random_draw_gives_the_rows_it_gave_before_the_draws():
-    """Decision 44: a list of one random-init fit gives every row the fit itself gives (the rows
-    of the check before it read several draws), to the last digit."""
+    """Decision 44: with one random-init draw every row is what the formulas before it gave (`score`
+    of each encoder's probabilities, `paired` of the two, the fit's own val and heads), to the last
+    digit, and no per-draw rows are added."""
     rows, fs, pre, (rand,) = _draw_fits(1)
-    one, listed = {"pretrained": pre, "random_init": rand}, {"pretrained": pre, "random_init": [rand]}
-    for fn in (check_probes.compare, check_probes.per_scanner, check_probes.curve_point):
-        assert fn("diabetic", rows, one, fs, 50, 0) == fn("diabetic", rows, listed, fs, 50, 0), fn.__name__
-    assert "random_draws" not in check_probes.compare("diabetic", rows, listed, fs, 50, 0)["comparisons"][
-        check_probes.CHOSEN]
+    te, listed = check_probes.tested_rows(fs), {"pretrained": pre, "random_init": [rand]}
+    out = check_probes.compare("diabetic", rows, listed, fs, 50, 0)["comparisons"]
+    for kind, c in out.items():
+        p, r = pre[kind], rand[kind]
+        assert c["pretrained"] == check_probes.score("diabetic", rows, p["prob"], te, 50, 0)["balanced_accuracy"]
+        assert c["random_init_ci95"] == check_probes.score("diabetic", rows, r["prob"], te, 50, 0)["ci95"]
+        before = check_probes.paired("diabetic", rows, p["prob"], r["prob"], te, 50, 0)
+        assert {k: c[k] for k in before} == before
+        assert c["val"] == {"pretrained": p["val"], "random_init": r["val"]}
+        assert c["random_head"] == "/".join(sorted(set(r["heads"]))) and "random_draws" not in c
+    for name, _, _, tm in fs:
+        row = check_probes.per_scanner("diabetic", rows, listed, fs, 50, 0)[name]
+        assert row["random_init"] == check_probes.score("diabetic", rows, rand[check_probes.CHOSEN]["prob"], tm, 50,
+                                                        0)["balanced_accuracy"]
+    point = check_probes.curve_point("diabetic", rows, listed, fs, 50, 0)
+    assert point["pretrained_minus_random_init"] == check_probes.paired(
+        "diabetic", rows, pre[check_probes.CHOSEN]["prob"], rand[check_probes.CHOSEN]["prob"], te, 50, 0)
 
 
 def test_random_init_rows_are_the_mean_of_their_draws():
