@@ -14,11 +14,13 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import augment_bench, cache_bench, learning_bench, recipe_bench, reference_bench, train_bench, xla_bench
+from bench import (augment_bench, cache_bench, learning_bench, probe_bench, recipe_bench, reference_bench, train_bench,
+                   xla_bench)
 from octfm import cli
 
 SUITES = {"cache": cache_bench.run, "train": train_bench.run, "reference": reference_bench.run,
-          "recipe": recipe_bench.run, "augment": augment_bench.run, "xla": xla_bench.run, "learning": learning_bench.run}
+          "recipe": recipe_bench.run, "augment": augment_bench.run, "xla": xla_bench.run, "learning": learning_bench.run,
+          "probes": probe_bench.run}
 
 
 def main(argv=None) -> int:

@@ -60,23 +60,34 @@ def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: 
     "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}.
     `full`: for folds narrowed to a label fraction, the folds they were narrowed from: each fold's
     heads then train at least the steps of its own full train split (fraction_steps)."""
+    return fit_encoders(cfg, [feats], task, rows, fs, full)[0]
+
+
+def fit_encoders(cfg: ProbeConfig, feats: list[dict], task: str, rows: list[dict], fs: list,
+                 full: list | None = None) -> list[dict]:
+    """fit_encoder for each of several encoders' features of the same rows (the pretrained encoder
+    and the random-init draws), each fold's heads of every encoder trained as one stack
+    (probe.fit_and_select_all): each encoder's result is the one it gets alone, float rounding apart."""
     y, split, groups, k = task_arrays(task, rows)
-    out = {kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
-    out[CHOSEN]["val_best"] = []
+    outs = [{kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
+            for _ in feats]
+    for out in outs:
+        out[CHOSEN]["val_best"] = []
     for i, (_, tr, va, te) in enumerate(fs):
         fcfg = cfg if full is None else dataclasses.replace(cfg, min_steps=fraction_steps(cfg, full[i][1]))
-        fitted = {}
+        fitted = [{} for _ in feats]
         for kind in cfg.heads:
-            chosen, prob = probe.fit_and_select(kind, fcfg, feats, y, split, k, tr, va)
-            fitted[kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
-        out[CHOSEN]["val_best"].append(max(fitted, key=lambda h: fitted[h][0]))
-        pick = one_se_choice(fitted, y, groups, va, k, cfg.bootstrap, cfg.seed)
-        for kind, head in [*((h, h) for h in fitted), (CHOSEN, pick)]:
-            rank, prob = fitted[head]
-            out[kind]["prob"][te] = prob[te]
-            out[kind]["val"].append(rank[0])
-            out[kind]["heads"].append(head)
-    return {kind: {**v, "val": float(np.mean(v["val"]))} for kind, v in out.items()}
+            for e, (chosen, prob) in enumerate(probe.fit_and_select_all(kind, fcfg, feats, y, split, k, tr, va)):
+                fitted[e][kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
+        for out, fit in zip(outs, fitted):
+            out[CHOSEN]["val_best"].append(max(fit, key=lambda h: fit[h][0]))
+            pick = one_se_choice(fit, y, groups, va, k, cfg.bootstrap, cfg.seed)
+            for kind, head in [*((h, h) for h in fit), (CHOSEN, pick)]:
+                rank, prob = fit[head]
+                out[kind]["prob"][te] = prob[te]
+                out[kind]["val"].append(rank[0])
+                out[kind]["heads"].append(head)
+    return [{kind: {**v, "val": float(np.mean(v["val"]))} for kind, v in out.items()} for out in outs]
 
 
 def one_se_choice(fitted: dict, y: np.ndarray, groups: np.ndarray, va: np.ndarray, k: int, n_boot: int,

@@ -3,6 +3,7 @@ kept on disk, so probes train from them in seconds and re-runs reuse them."""
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -97,28 +98,54 @@ def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, pre
     return config.content_key(blob, 20)
 
 
-def cached(out_dir: Path, key: str, compute) -> tuple[dict, bool]:
-    """Load <out_dir>/<key>.npz, or compute and write it atomically. Returns (arrays, reused)."""
-    feats, reused = cached_all(out_dir, {"": key}, lambda names: {"": compute()})
+PART_ROWS = 512  # rows a pass computes and writes before the next: what a killed pass loses at most
+
+
+def cached(out_dir: Path, key: str, compute, n_rows: int) -> tuple[dict, bool]:
+    """Load <out_dir>/<key>.npz, or compute it (`compute(part)`: the arrays of rows[part]) and write
+    it as cached_all does. Returns (arrays, reused)."""
+    feats, reused = cached_all(out_dir, {"": key}, lambda names, part: {"": compute(part)}, n_rows)
     return feats[""], reused[""]
 
 
-def cached_all(out_dir: Path, keys: dict[str, str], compute) -> tuple[dict, dict]:
-    """`cached` for several named keys: those on disk are loaded, the others computed together
-    (`compute(names)` -> {name: arrays}, one pass over the cache: extract_all) and each written
-    atomically as soon as all are computed. Returns ({name: arrays}, {name: reused})."""
-    paths = {name: Path(out_dir) / f"{key}.npz" for name, key in keys.items()}
+def cached_all(out_dir: Path, keys: dict[str, str], compute, n_rows: int) -> tuple[dict, dict]:
+    """`cached` for several named keys: those on disk are loaded, the others computed together,
+    PART_ROWS rows at a time (`compute(names, part)` -> {name: arrays of rows[part]}, one pass over
+    those rows: extract_all). Each part is written as soon as it is computed (<key>.parts/), so a
+    pass killed midway resumes from the rows done; when all are, the parts become <key>.npz,
+    written atomically. Returns ({name: arrays}, {name: reused})."""
+    out_dir = Path(out_dir)
+    paths = {name: out_dir / f"{key}.npz" for name, key in keys.items()}
     feats, reused = {}, {name: path.exists() for name, path in paths.items()}
     for name, path in paths.items():
         if reused[name]:
-            with np.load(path) as z:
-                feats[name] = {k: z[k] for k in z.files}
+            feats[name] = _load(path)
     missing = [name for name in keys if not reused[name]]
-    if missing:
-        computed = compute(missing)
+    parts = {name: out_dir / f"{keys[name]}.parts" for name in missing}
+    done = {name: [] for name in missing}
+    for lo in range(0, n_rows, PART_ROWS):
+        part = slice(lo, min(lo + PART_ROWS, n_rows))
+        files = {name: parts[name] / f"{part.start:09d}-{part.stop:09d}.npz" for name in missing}
+        todo = [name for name in missing if not files[name].exists()]
+        computed = compute(todo, part) if todo else {}
         for name in missing:
-            buf = io.BytesIO()
-            np.savez(buf, **computed[name])
-            fsio.atomic_write_bytes(str(paths[name]), buf.getvalue())
-            feats[name] = computed[name]
+            if name in computed:
+                _save(files[name], computed[name])
+            done[name].append(computed[name] if name in computed else _load(files[name]))
+    for name in missing:
+        feats[name] = {k: np.concatenate([d[k] for d in done[name]]) for k in done[name][0]}
+        _save(paths[name], feats[name])
+        shutil.rmtree(parts[name], ignore_errors=True)
     return {name: feats[name] for name in keys}, reused
+
+
+def _load(path: Path) -> dict:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _save(path: Path, arrays: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    fsio.atomic_write_bytes(str(path), buf.getvalue())

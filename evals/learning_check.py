@@ -670,15 +670,13 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
     Done once, right after the features (the interim result); probe_all builds on it. Random init is
-    each of its draws (decision 44). `together`: the fits (two tasks, each encoder and draw) each in
-    its own process at once (the GPU size: a head's step of batch 32 leaves the GPU mostly idle; the
-    same fits as one after another)."""
-    fs, rand = check_probes.folds(rows, protocol), probe.random_draws(feats)
-    keys = [(t, e) for t in (MULTI, BINARY) for e in ("pretrained", *rand)]
-    jobs = {k: (check_probes.fit_encoder, (pcfg, feats[k[1]], k[0], rows, fs)) for k in keys}
-    done = in_processes(jobs, len(jobs)) if together else {k: _call(job) for k, job in jobs.items()}
-    fits = {t: {"pretrained": done[(t, "pretrained")], "random_init": [done[(t, e)] for e in rand]}
-            for t in (MULTI, BINARY)}
+    each of its draws (decision 44); a task's fits of every encoder train as one stack of heads
+    (check_probes.fit_encoders). `together`: the two tasks each in its own process at once (the GPU
+    size: a head's step of batch 32 leaves the GPU mostly idle; the same fits as one after another)."""
+    fs, encs = check_probes.folds(rows, protocol), ["pretrained", *probe.random_draws(feats)]
+    jobs = {t: (check_probes.fit_encoders, (pcfg, [feats[e] for e in encs], t, rows, fs)) for t in (MULTI, BINARY)}
+    done = in_processes(jobs, len(jobs)) if together else {t: _call(job) for t, job in jobs.items()}
+    fits = {t: {"pretrained": done[t][0], "random_init": done[t][1:]} for t in (MULTI, BINARY)}
     return {"folds": fs, "fits": fits,
             "tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, pcfg.seed) for t in (MULTI, BINARY)}}
 
@@ -687,10 +685,16 @@ def curve_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, fs: list, fract
     """{(fraction, encoder): fit_encoder's result}: the pretrained encoder's and each random-init draw's
     binary heads at each curve fraction below all labels, each fold's heads for its full split's steps
     (decision 32). They need no reference, so at GPU size they train in their own process beside
-    the references (Stages.together) rather than after them in the probes stage."""
-    people = subsets.nested_fractions(rows, fractions, pcfg.seed)
-    return {(f, e): check_probes.fit_encoder(pcfg, feats[e], BINARY, rows, check_probes.narrowed(fs, rows, people[f]), fs)
-            for f in sorted(people) if f < 1.0 for e in ("pretrained", *probe.random_draws(feats))}
+    the references (Stages.together) rather than after them in the probes stage. A fraction's
+    encoders train as one stack of heads (check_probes.fit_encoders)."""
+    people, encs = subsets.nested_fractions(rows, fractions, pcfg.seed), ["pretrained", *probe.random_draws(feats)]
+    out = {}
+    for f in sorted(people):
+        if f < 1.0:
+            fits = check_probes.fit_encoders(pcfg, [feats[e] for e in encs], BINARY, rows,
+                                             check_probes.narrowed(fs, rows, people[f]), fs)
+            out.update({(f, e): fit for e, fit in zip(encs, fits)})
+    return out
 
 
 def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, protocol: str, fractions, n_boot: int,
@@ -704,10 +708,10 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     fs, fits = head["folds"], head["fits"]
     curve_fit = curve if curve is not None else curve_fits(pcfg, rows, feats, fs, fractions)
     out = {"tasks": head["tasks"]}
-    if 1.0 in sup:
-        out["supervised_reference"] = {
-            t: reference_row(t, rows, check_probes.fit_encoder(pcfg, sup[1.0], t, rows, fs), fits[t]["random_init"], fs,
-                             n_boot, seed) for t in (MULTI, BINARY)}
+    sup_all = {t: check_probes.fit_encoder(pcfg, sup[1.0], t, rows, fs) for t in (MULTI, BINARY)} if 1.0 in sup else {}
+    if sup_all:
+        out["supervised_reference"] = {t: reference_row(t, rows, sup_all[t], fits[t]["random_init"], fs, n_boot, seed)
+                                       for t in (MULTI, BINARY)}
     if protocol == "scanners":
         out["per_scanner"] = check_probes.per_scanner(BINARY, rows, fits[BINARY], fs, n_boot, seed)
     people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
@@ -721,8 +725,9 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
         encs = {"pretrained": fits[BINARY]["pretrained"] if f == 1.0 else curve_fit[(f, "pretrained")],
                 "random_init": fits[BINARY]["random_init"] if f == 1.0 else
                 [curve_fit[(f, e)] for e in probe.random_draws(feats)]}
-        if f in sup:
-            encs["supervised"] = check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff, full)
+        if f in sup:  # all labels: the reference row's fit where the folds are the same (one fit, not two)
+            same = f == 1.0 and all(np.array_equal(a[1], b[1]) for a, b in zip(ff, fs))
+            encs["supervised"] = sup_all[BINARY] if same else check_probes.fit_encoder(pcfg, sup[f], BINARY, rows, ff, full)
         if f in tuned:
             frozen[f] = frozen_probe(encs["pretrained"])
             if "supervised" in encs:

@@ -85,25 +85,50 @@ class GridFit(NamedTuple):
 
 def fit_grid(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None) -> GridFit:
     """Train the lr x wd grid on train; rank its heads on val."""
+    return fit_grids(kind, cfg, [feats], y, split, classes, train_mask, val_mask)[0]
+
+
+def fit_grids(kind, cfg: ProbeConfig, feats: list[dict], y, split, classes, train_mask=None,
+              val_mask=None) -> list[GridFit]:
+    """fit_grid for several encoders' features of the same rows: their grids train as one stack
+    (train_heads), each as it would alone, in fewer and larger steps (the learning check's
+    pretrained encoder and random-init draws)."""
     grid = [(lr, wd) for lr in cfg.lrs for wd in cfg.weight_decays]
     tr = (split == "train") if train_mask is None else train_mask
     va = (split == "val") if val_mask is None else val_mask
-    tokens = feats["tokens"].astype(np.float32) if probe_heads.reads_tokens(kind) else None
-    heads = train_heads(kind, grid, feats["pooled"][tr], tokens[tr] if tokens is not None else None, y[tr],
-                        classes, cfg.epochs, cfg.batch_size, cfg.seed, cfg.class_weight,
-                        standardize=cfg.standardize, device=cfg.device, min_steps=cfg.min_steps)
-    probs = heads(feats["pooled"], tokens)                                     # [H, n, C]
-    scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
-              for h in range(len(grid))]
-    best = max(range(len(grid)), key=lambda h: val_rank(*scores[h]))
-    return GridFit(heads, grid, probs, best, scores[best])
+    one = len(feats) == 1
+    pooled = [f["pooled"] for f in feats]
+    tokens = [f["tokens"].astype(np.float32) for f in feats] if probe_heads.reads_tokens(kind) else None
+
+    def arg(xs, rows=slice(None)):  # one encoder's array as it is, several as a list (train_heads)
+        if xs is None:
+            return None
+        return xs[0][rows] if one else [x[rows] for x in xs]
+    heads = train_heads(kind, grid, arg(pooled, tr), arg(tokens, tr), y[tr], classes, cfg.epochs, cfg.batch_size,
+                        cfg.seed, cfg.class_weight, standardize=cfg.standardize, device=cfg.device,
+                        min_steps=cfg.min_steps)
+    every = heads(arg(pooled), arg(tokens))                                    # [E x H, n, C]
+    out = []
+    for e in range(len(feats)):
+        probs = every[e * len(grid):(e + 1) * len(grid)]
+        scores = [(pm.balanced_accuracy(y[va], probs[h][va].argmax(1), classes), pm.macro_auroc(y[va], probs[h][va]))
+                  for h in range(len(grid))]
+        best = max(range(len(grid)), key=lambda h: val_rank(*scores[h]))
+        out.append(GridFit(heads if one else heads.encoder(e), grid, probs, best, scores[best]))
+    return out
 
 
 def fit_and_select(kind, cfg: ProbeConfig, feats, y, split, classes, train_mask=None, val_mask=None):
     """Train the lr x wd grid on train, pick the best head on val balanced accuracy."""
-    f = fit_grid(kind, cfg, feats, y, split, classes, train_mask, val_mask)
-    return {"lr": f.grid[f.best][0], "weight_decay": f.grid[f.best][1], "val_balanced_accuracy": f.val[0],
-            "val_auroc": f.val[1]}, f.probs[f.best]
+    return fit_and_select_all(kind, cfg, [feats], y, split, classes, train_mask, val_mask)[0]
+
+
+def fit_and_select_all(kind, cfg: ProbeConfig, feats: list[dict], y, split, classes, train_mask=None,
+                       val_mask=None) -> list[tuple[dict, np.ndarray]]:
+    """fit_and_select for each of several encoders' features, their grids trained as one (fit_grids)."""
+    return [({"lr": f.grid[f.best][0], "weight_decay": f.grid[f.best][1], "val_balanced_accuracy": f.val[0],
+              "val_auroc": f.val[1]}, f.probs[f.best])
+            for f in fit_grids(kind, cfg, feats, y, split, classes, train_mask, val_mask)]
 
 
 def evaluate(prob, y, groups, mask, classes, cfg) -> dict:
@@ -279,9 +304,9 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
     precision = features.resolve_precision(cfg.precision, cfg.device)
     keys = {name: features.feature_key(idn, rows, tcfg, cfg.token_pool, precision) for name, (_, idn) in encoders.items()}
     # the encoders without kept features in one pass over the cache (each batch read once)
-    feats, reused = features.cached_all(probe_dir / "features", keys, lambda names: features.extract_all(
-        {n: encoders[n][0] for n in names}, tcfg, rows, cache, cfg.token_pool, cfg.device, cfg.extract_batch,
-        precision=precision))
+    feats, reused = features.cached_all(probe_dir / "features", keys, lambda names, part: features.extract_all(
+        {n: encoders[n][0] for n in names}, tcfg, rows[part], cache, cfg.token_pool, cfg.device, cfg.extract_batch,
+        precision=precision), len(rows))
     return {"rows": rows, "feats": feats, "reused": reused, "step": ident["step"], "cache": cache,
             "probe_dir": probe_dir}
 

@@ -4,7 +4,9 @@ attend over the tokens), and a readout for a few informative tokens among many (
 gated-attention multiple-instance pooling. (A top-k readout of per-token class scores was tried
 and left out: on the two-marked-tokens test of tests/test_probe.py it trained to 0.48 or to 0.95
 depending on the learning rate and the number of bags; docs/learning-check.md, decision 9.)
-Heads share nothing, so one summed loss trains them all. The same heads
+Heads share nothing, so one summed loss trains them all, and several encoders' grids train as one
+(inputs with a leading encoder axis: the heads of encoder e are e's slice of every stacked
+parameter; fewer, larger steps on a CPU, where a head's step is mostly overhead). The same heads
 sit on a fine-tuned encoder (`make finetune`); `load_classifier` reads one from its model folder."""
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ import torch.nn.functional as F
 from train import encoder
 
 
+def by_encoder(param: torch.Tensor, encoders: int) -> torch.Tensor:
+    """A stacked parameter [H, ...] as [encoders, H / encoders, ...]: each encoder's heads (encoder-major)."""
+    return param.view(encoders, param.shape[0] // encoders, *param.shape[1:])
+
+
 class LinearHeads(nn.Module):
     def __init__(self, n_heads: int, dim: int, classes: int):
         super().__init__()
@@ -28,8 +35,11 @@ class LinearHeads(nn.Module):
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
     def forward(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.norm(pooled)                                   # [B, d]
-        return torch.einsum("bd,hdc->bhc", x, self.w) + self.b  # [B, H, C]
+        x = self.norm(pooled)                                   # [B, d], or [E, B, d]: one set per encoder
+        if x.dim() == 2:
+            return torch.einsum("bd,hdc->bhc", x, self.w) + self.b  # [B, H, C]
+        w = by_encoder(self.w, x.shape[0])
+        return torch.einsum("ebd,egdc->begc", x, w).flatten(1, 2) + self.b
 
 
 class AttentiveHeads(nn.Module):
@@ -45,10 +55,15 @@ class AttentiveHeads(nn.Module):
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
     def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        t = self.norm(tokens)                                                   # [B, N, d]
-        att = torch.softmax(torch.einsum("bnd,hqd->bhqn", t, self.q) / math.sqrt(t.shape[-1]), dim=-1)
-        z = torch.einsum("bhqn,bnd->bhqd", att, t).flatten(2)                   # [B, H, Q*d]
-        return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+        t = self.norm(tokens)                                                   # [B, N, d], or [E, B, N, d]
+        if t.dim() == 3:
+            att = torch.softmax(torch.einsum("bnd,hqd->bhqn", t, self.q) / math.sqrt(t.shape[-1]), dim=-1)
+            z = torch.einsum("bhqn,bnd->bhqd", att, t).flatten(2)               # [B, H, Q*d]
+            return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+        e = t.shape[0]
+        att = torch.softmax(torch.einsum("ebnd,egqd->ebgqn", t, by_encoder(self.q, e)) / math.sqrt(t.shape[-1]), dim=-1)
+        z = torch.einsum("ebgqn,ebnd->ebgqd", att, t).flatten(3)                # [E, B, G, Q*d]
+        return torch.einsum("ebgk,egkc->begc", z, by_encoder(self.w, e)).flatten(1, 2) + self.b
 
 
 class GatedMILHeads(nn.Module):
@@ -67,11 +82,17 @@ class GatedMILHeads(nn.Module):
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
     def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        t = self.norm(tokens)                                                   # [B, N, d]
-        gate = torch.tanh(torch.einsum("bnd,hdk->bhnk", t, self.v)) * torch.sigmoid(torch.einsum("bnd,hdk->bhnk", t, self.u))
-        att = torch.softmax(torch.einsum("bhnk,hk->bhn", gate, self.a), dim=-1)
-        z = torch.einsum("bhn,bnd->bhd", att, t)
-        return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+        t = self.norm(tokens)                                                   # [B, N, d], or [E, B, N, d]
+        if t.dim() == 3:
+            gate = torch.tanh(torch.einsum("bnd,hdk->bhnk", t, self.v)) * torch.sigmoid(torch.einsum("bnd,hdk->bhnk", t, self.u))
+            att = torch.softmax(torch.einsum("bhnk,hk->bhn", gate, self.a), dim=-1)
+            z = torch.einsum("bhn,bnd->bhd", att, t)
+            return torch.einsum("bhd,hdc->bhc", z, self.w) + self.b
+        v, u, a, w = (by_encoder(p, t.shape[0]) for p in (self.v, self.u, self.a, self.w))
+        gate = torch.tanh(torch.einsum("ebnd,egdk->ebgnk", t, v)) * torch.sigmoid(torch.einsum("ebnd,egdk->ebgnk", t, u))
+        att = torch.softmax(torch.einsum("ebgnk,egk->ebgn", gate, a), dim=-1)
+        z = torch.einsum("ebgn,ebnd->ebgd", att, t)
+        return torch.einsum("ebgd,egdc->begc", z, w).flatten(1, 2) + self.b
 
 
 HEADS = {"linear": LinearHeads, "attentive": AttentiveHeads, "mil": GatedMILHeads}
@@ -129,13 +150,36 @@ class ChannelScaler(nn.Module):
         return cls(np.zeros((1, dim), np.float32))
 
     @classmethod
+    def stacked(cls, xs: list[np.ndarray], on: bool = True) -> "ChannelScaler":
+        """One scaler for several encoders' features (inputs [E, ..., d]): encoder e's channels by
+        e's own training rows, as a scaler of those rows alone would."""
+        out = cls(xs[0], on)
+        if on:
+            each = [out, *(cls(x) for x in xs[1:])]
+            out.mean, out.std = torch.stack([s.mean for s in each]), torch.stack([s.std for s in each])  # [E, d]
+        return out
+
+    def row(self, e: int) -> "ChannelScaler":
+        """Encoder `e`'s scaler of a stacked one (itself when not stacked)."""
+        if not self.on or self.mean.dim() == 1:
+            return self
+        out = copy.deepcopy(self)
+        out.mean, out.std = self.mean[e].clone(), self.std[e].clone()
+        return out
+
+    @classmethod
     def identity(cls) -> "ChannelScaler":
         """The scaler of a head trained with standardize: false: the identity, with no buffers to save or load."""
         return cls(np.zeros((1, 1), np.float32), on=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 [..., d], scaled where `on`."""
-        return (x - self.mean) / self.std if self.on else x
+        """float32 [..., d] (stacked: [E, ..., d]), scaled where `on`."""
+        if not self.on:
+            return x
+        if self.mean.dim() == 1:
+            return (x - self.mean) / self.std
+        shape = (self.mean.shape[0],) + (1,) * (x.dim() - 2) + (self.mean.shape[1],)
+        return (x - self.mean.view(shape)) / self.std.view(shape)
 
 
 class ScaledHeads(nn.Module):
@@ -154,30 +198,48 @@ class ScaledHeads(nn.Module):
     def one(self, h: int) -> "ScaledHeads":
         """The grid's head `h` alone (every head keeps its weights stacked on dim 0), behind the same
         scalers: a fitted probe head as fine-tuning's first head (decision 38)."""
+        return self.part(h, h + 1)
+
+    def part(self, lo: int, hi: int, encoder: int = 0) -> "ScaledHeads":
+        """Heads lo..hi of the stack, behind encoder `encoder`'s scalers (of a stacked grid, its
+        own; else the only ones)."""
         heads = copy.deepcopy(self.heads)
         for p in heads.parameters():
-            p.data = p.data[h:h + 1].clone()
-        return ScaledHeads(heads, copy.deepcopy(self.scale_p), copy.deepcopy(self.scale_t))
+            p.data = p.data[lo:hi].clone()
+        t = self.scale_t.row(encoder) if self.scale_t is not None else None
+        return ScaledHeads(heads, copy.deepcopy(self.scale_p.row(encoder)), copy.deepcopy(t))
 
 
 class HeadGrid:
     """A grid of heads trained at once (train_heads); called on features, every head's class
-    probabilities [H, n, C], one batch at a time on the device they trained on."""
+    probabilities [H, n, C], one batch at a time on the device they trained on. A grid of several
+    encoders (`encoders` > 1) is called on a list of their features, heads encoder-major."""
 
-    def __init__(self, heads: ScaledHeads, device: torch.device):
-        self.heads, self.device = heads, device
+    def __init__(self, heads: ScaledHeads, device: torch.device, encoders: int = 1):
+        self.heads, self.device, self.encoders = heads, device, encoders
 
     def one(self, h: int) -> ScaledHeads:
         """Head `h` of the grid alone, behind the same scalers (ScaledHeads.one)."""
         return self.heads.one(h)
 
+    def encoder(self, e: int) -> "HeadGrid":
+        """Encoder `e`'s heads of a stacked grid, as a grid of that encoder alone (called on its features)."""
+        g = self.heads.heads.b.shape[0] // self.encoders
+        return HeadGrid(self.heads.part(e * g, (e + 1) * g, e), self.device)
+
+    @staticmethod
+    def _batch(x, i: int, device) -> torch.Tensor | None:
+        if x is None:
+            return None
+        b = np.stack([a[i:i + 256] for a in x]) if isinstance(x, list) else x[i:i + 256]
+        return torch.from_numpy(b).float().to(device)
+
     @torch.no_grad()
-    def __call__(self, pooled_x: np.ndarray, tokens_x: np.ndarray | None) -> np.ndarray:
+    def __call__(self, pooled_x, tokens_x) -> np.ndarray:
         self.heads.eval()
         out = []
-        for i in range(0, len(pooled_x), 256):
-            p = torch.from_numpy(pooled_x[i:i + 256]).float().to(self.device)
-            t = torch.from_numpy(tokens_x[i:i + 256]).float().to(self.device) if tokens_x is not None else None
+        for i in range(0, len(pooled_x[0] if isinstance(pooled_x, list) else pooled_x), 256):
+            p, t = self._batch(pooled_x, i, self.device), self._batch(tokens_x, i, self.device)
             out.append(torch.softmax(self.heads(p, t), dim=-1).cpu().numpy())
         return np.concatenate(out, 0).transpose(1, 0, 2)                        # [H, n, C]
 
@@ -188,9 +250,9 @@ def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
     return max(epochs, math.ceil(min_steps / max(1, math.ceil(rows / batch))))
 
 
-def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, tokens: np.ndarray | None,
-                y: np.ndarray, classes: int, epochs: int, batch: int, seed: int, class_weight: bool = True, *,
-                standardize: bool, device: str | torch.device = "cpu", min_steps: int = 0) -> HeadGrid:
+def train_heads(kind: str, grid: list[tuple[float, float]], pooled, tokens, y: np.ndarray, classes: int,
+                epochs: int, batch: int, seed: int, class_weight: bool = True, *, standardize: bool,
+                device: str | torch.device = "cpu", min_steps: int = 0) -> HeadGrid:
     """Train one head per (lr, wd) on the training features; returns them as a HeadGrid (called on
     features: every head's probabilities). With `standardize` every channel is scaled by the
     training rows' statistics (ChannelScaler), in training and in prediction alike, one batch at a
@@ -198,29 +260,43 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled: np.ndarray, 
     predict (at GPU size the attentive heads read 2,250 volumes x 72 pooled tokens x 384 channels;
     the headline probes took 589 s of host CPU on the H200's machine, docs/accelerators.md); the
     features, the initial weights and the batch order are the same on any device. `min_steps`: at
-    least this many optimizer steps (head_epochs)."""
+    least this many optimizer steps (head_epochs).
+
+    `pooled` and `tokens` as lists: several encoders' features of the same rows, each with its own
+    grid, trained as one stack (the same initial weights, batches and updates each gets alone; the
+    sums in a step differ in float rounding only); the HeadGrid's `encoder(e)` is encoder e's grid."""
     dev = torch.device(device)
+    stacked = isinstance(pooled, list)
+    n_enc = len(pooled) if stacked else 1
     torch.manual_seed(seed)
-    heads = make_heads(kind, len(grid), pooled.shape[1], classes).to(dev)
-    opt = _HeadAdamW(heads, grid)
+    heads = make_heads(kind, len(grid), (pooled[0] if stacked else pooled).shape[1], classes)
+    if stacked:  # every encoder's grid starts where one grid alone would
+        for p in heads.parameters():
+            p.data = p.data.repeat(n_enc, *(1,) * (p.ndim - 1))
+    heads = heads.to(dev)
+    opt = _HeadAdamW(heads, grid * n_enc)
     weight = class_weights(y, classes).to(dev) if class_weight else None
-    model = ScaledHeads(heads, ChannelScaler(pooled, standardize),
-                        ChannelScaler(tokens, standardize) if tokens is not None else None).to(dev)
-    P = torch.from_numpy(pooled).float().to(dev)
-    T = torch.from_numpy(tokens).float().to(dev) if tokens is not None else None
+    scaler = ChannelScaler.stacked if stacked else ChannelScaler
+    model = ScaledHeads(heads, scaler(pooled, standardize),
+                        scaler(tokens, standardize) if tokens is not None else None).to(dev)
+
+    def tensor(x):
+        return None if x is None else torch.from_numpy(np.stack(x) if stacked else x).float().to(dev)
+    P, T, rows = tensor(pooled), tensor(tokens), (slice(None),) if stacked else ()
     Y = torch.from_numpy(y).long().to(dev)
+    n_heads = len(grid) * n_enc
     g = torch.Generator().manual_seed(seed)
     for _ in range(head_epochs(len(y), batch, epochs, min_steps)):
         perm = torch.randperm(len(Y), generator=g).to(dev)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]
-            logits = model(P[idx], T[idx] if T is not None else None)   # [b, H, C]
-            loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(len(grid)),
-                                   weight=weight, reduction="mean") * len(grid)
+            logits = model(P[rows + (idx,)], T[rows + (idx,)] if T is not None else None)   # [b, H, C]
+            loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(n_heads),
+                                   weight=weight, reduction="mean") * n_heads
             opt.zero_grad()
             loss.backward()
             opt.step()
-    return HeadGrid(model, dev)
+    return HeadGrid(model, dev, n_enc)
 
 
 class _HeadAdamW:

@@ -203,8 +203,8 @@ def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int =
     r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed + 1, train_cfg=tcfg)
     scores, encs = {}, {"pretrained": (enc, ident), "random_init": (r_enc, r_ident)}
     keys = {name: "tokens_" + features.feature_key(idn, rows, tcfg, (1, 1, 1)) for name, (_, idn) in encs.items()}
-    feats, _ = features.cached_all(out / "features", keys, lambda names: features.extract_all(
-        {n: encs[n][0] for n in names}, tcfg, rows, cache, (1, 1, 1), device, batch))    # one pass over the cache
+    feats, _ = features.cached_all(out / "features", keys, lambda names, part: features.extract_all(
+        {n: encs[n][0] for n in names}, tcfg, rows[part], cache, (1, 1, 1), device, batch), len(rows))  # one pass
     for name, f in feats.items():
         scores[name] = score_encoder(f["tokens"], labels, split)
         print(f"token-probe: {name} val within-position AUROC {scores[name]['val_auroc']:.3f}", flush=True)

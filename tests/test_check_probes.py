@@ -62,8 +62,8 @@ def test_a_label_fraction_trains_as_many_steps_as_its_full_fold(monkeypatch):
     keep = np.arange(n) % 8 == 0                                                   # a fraction: 15 and 25 rows
     narrow = [(name, tr & keep, va, te) for name, tr, va, te in fs]
     seen = []
-    real = probe.fit_and_select
-    monkeypatch.setattr(probe, "fit_and_select", lambda kind, cfg, *a: seen.append(cfg.min_steps) or real(kind, cfg, *a))
+    real = probe.fit_and_select_all
+    monkeypatch.setattr(probe, "fit_and_select_all", lambda kind, cfg, *a: seen.append(cfg.min_steps) or real(kind, cfg, *a))
     feats = {"pooled": rng.normal(size=(n, 4)).astype(np.float32)}
     cfg = ProbeConfig(heads=["linear"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16, bootstrap=20)
     check_probes.fit_encoder(cfg, feats, "diabetic", rows, narrow, full=fs)

@@ -465,16 +465,17 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     sup = {f: {"pooled": rng.normal(size=(400, 4)).astype(np.float32)} for f in (0.25, 1.0)}
     pcfg = ProbeConfig(heads=["linear"], lrs=[1e-2], weight_decays=[0.0], epochs=2, batch_size=16, bootstrap=20)
     seen = []
-    real = probe.fit_and_select
-    monkeypatch.setattr(probe, "fit_and_select", lambda kind, cfg, f, y, split, k, tr, va:
-                        seen.append((cfg.min_steps, int(tr.sum()))) or real(kind, cfg, f, y, split, k, tr, va))
+    real = probe.fit_and_select_all
+    monkeypatch.setattr(probe, "fit_and_select_all", lambda kind, cfg, f, y, split, k, tr, va:  # one per encoder
+                        seen.extend([(cfg.min_steps, int(tr.sum()))] * len(f)) or real(kind, cfg, f, y, split, k, tr, va))
     tuned = {0.1: {"pretrained": [np.full((400, 2), 0.5)], "random": [np.full((400, 2), 0.5)]}}
     out = learning_check.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
     n = sum(r["split"] == "train" for r in rows)
     full = 2 * math.ceil(n / 16)                                        # epochs x the full split's batches
     assert [m for m, k in seen if k < n] == [full] * 4                  # 10%: the frozen probe; 25%: three encoders
-    # all labels: the headline (2 tasks x 2 encoders), the reference's row (2 tasks) and its curve point
-    assert [m for m, k in seen if k == n] == [0] * 7
+    # all labels: the headline (2 tasks x 2 encoders) and the reference's row (2 tasks), whose binary fit is
+    # also its curve point (the same folds: fitted once)
+    assert [m for m, k in seen if k == n] == [0] * 6
     assert out["label_efficiency"]["head_steps"] == [full]
     assert "as many optimizer steps as all labels'" in learning_check.head_steps(out["label_efficiency"])
     seen.clear()

@@ -156,17 +156,46 @@ def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, 
     assert not np.array_equal(together["draw1"]["pooled"], together["draw2"]["pooled"])
     asked = []
 
-    def compute(names):
-        asked.append(list(names))
-        return {n: together[n] for n in names}
+    def compute(names, part):
+        asked.append((list(names), part.start, part.stop))
+        return {n: {k: v[part] for k, v in together[n].items()} for n in names}
 
-    features.cached(tmp_path / "f", "k1", lambda: together["draw1"])                      # one kept already
-    got, reused = features.cached_all(tmp_path / "f", {"draw1": "k1", "draw2": "k2"}, compute)
-    assert asked == [["draw2"]] and reused == {"draw1": True, "draw2": False}
+    keys = {"draw1": "k1", "draw2": "k2"}
+    features.cached(tmp_path / "f", "k1", lambda part: together["draw1"], len(rows))       # one kept already
+    got, reused = features.cached_all(tmp_path / "f", keys, compute, len(rows))
+    assert asked == [(["draw2"], 0, 5)] and reused == {"draw1": True, "draw2": False}
     assert np.array_equal(got["draw1"]["pooled"], together["draw1"]["pooled"])
-    again, reused = features.cached_all(tmp_path / "f", {"draw1": "k1", "draw2": "k2"}, compute)
-    assert asked == [["draw2"]] and reused == {"draw1": True, "draw2": True}
+    again, reused = features.cached_all(tmp_path / "f", keys, compute, len(rows))
+    assert len(asked) == 1 and reused == {"draw1": True, "draw2": True}
     assert np.array_equal(again["draw2"]["tokens"], together["draw2"]["tokens"])
+
+
+def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatch):
+    """cached_all writes each part of the rows as it is computed: a pass killed after some parts
+    computes only the rest when run again, and the arrays are those of one uninterrupted pass."""
+    from evals import features
+
+    monkeypatch.setattr(features, "PART_ROWS", 4)
+    rng = np.random.default_rng(0)
+    full = {n: {"pooled": rng.standard_normal((10, 3)).astype(np.float32),
+                "tokens": rng.standard_normal((10, 2, 3)).astype(np.float16)} for n in ("a", "b")}
+    asked = []
+
+    def compute(names, part):
+        asked.append(part.start)
+        if len(asked) == 3:
+            raise KeyboardInterrupt  # killed during the third part
+        return {n: {k: v[part] for k, v in full[n].items()} for n in names}
+
+    keys = {"a": "ka", "b": "kb"}
+    with pytest.raises(KeyboardInterrupt):
+        features.cached_all(tmp_path / "f", keys, compute, 10)
+    assert not (tmp_path / "f" / "ka.npz").exists()
+    got, reused = features.cached_all(tmp_path / "f", keys, compute, 10)
+    assert asked == [0, 4, 8, 8] and reused == {"a": False, "b": False}
+    for n in keys:
+        assert all(np.array_equal(got[n][k], full[n][k]) and got[n][k].dtype == full[n][k].dtype for k in full[n])
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["ka.npz", "kb.npz"]   # the parts are gone
 
 
 def test_shuffled_labels_stay_at_chance(signal_run):
@@ -308,3 +337,27 @@ def test_min_steps_trains_few_rows_for_more_epochs(monkeypatch):
         probe.fit_and_select("linear", ProbeConfig(lrs=[1e-2], weight_decays=[0.0], epochs=3, batch_size=16,
                                                    min_steps=min_steps), {"pooled": pooled}, labels, split, 2)
         assert len(steps) == want, (min_steps, len(steps))
+
+
+@pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
+def test_several_encoders_grids_train_as_one_stack_as_each_alone(kind):
+    """train_heads on a list of encoders' features: each encoder's heads predict what its grid trained
+    alone predicts (the same start, batches and updates; float rounding apart), its own channel
+    statistics included, and `encoder(e)` is that grid alone."""
+    from evals import probe_heads
+
+    rng = np.random.default_rng(0)
+    n, k, d = 90, 6, 8
+    toks = [(rng.normal(size=(n, k, d)) * rng.uniform(0.5, 20, d) + s).astype(np.float32) for s in (0.0, 5.0, -3.0)]
+    pooled = [t.max(1) for t in toks]
+    y = (toks[0][:, :, 0].max(1) > np.median(toks[0][:, :, 0].max(1))).astype(np.int64)
+    grid = [(1e-2, 0.0), (3e-3, 0.1)]
+    stack = probe_heads.train_heads(kind, grid, pooled, toks, y, 2, 4, 16, 3, standardize=True)
+    together = stack(pooled, toks)                                                   # [E * G, n, C]
+    assert together.shape == (3 * len(grid), n, 2)
+    for e in range(3):
+        alone = probe_heads.train_heads(kind, grid, pooled[e], toks[e], y, 2, 4, 16, 3, standardize=True)
+        want = alone(pooled[e], toks[e])
+        assert np.allclose(together[e * len(grid):(e + 1) * len(grid)], want, atol=1e-5), (kind, e)
+        assert np.allclose(stack.encoder(e)(pooled[e], toks[e]), want, atol=1e-5), (kind, e)
+    assert not np.allclose(together[:len(grid)], together[len(grid):2 * len(grid)], atol=1e-3)
