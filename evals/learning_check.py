@@ -32,7 +32,7 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import check_probes, finetune, probe, subsets, supervised, token_probe
+from evals import check_probes, features, finetune, probe, subsets, supervised, token_probe
 from evals.config import ProbeConfig
 from ingest import synth
 from octfm import cli, config, fsio, plots, procs
@@ -647,16 +647,24 @@ def reference_training_line(training: dict) -> str:
     return "Reference training" + rule + ": " + "; ".join(one(f, t) for f, t in training.items()) + "."
 
 
-def supervised_features(pcfg: ProbeConfig, ckpt: str, probe_dir: Path) -> tuple[dict, dict]:
-    """A supervised checkpoint's frozen features (no random-init baseline: the check has it) and
-    how it trained: its steps and, where it stopped on val (decision 17), the best step, where it
-    stopped and the best val score."""
-    st = checkpoint.load(ckpt)
-    meta = st["supervised"]
+def supervised_features(pcfg: ProbeConfig, ckpts: dict, probe_dir: Path) -> dict:
+    """{fraction: (features, how it trained)} of the supervised checkpoints ({fraction: ckpt}), their
+    encoders read in one pass over the cache (no random-init baseline: the check has it). How it
+    trained: its steps and, where it stopped on val (decision 17), the best step, where it stopped
+    and the best val score."""
+    states = {frac: checkpoint.load(ckpt) for frac, ckpt in ckpts.items()}
+    encoders, tcfg = {}, None
+    for frac, st in states.items():
+        enc, tcfg, ident = features.checkpoint_encoder(ckpts[frac], state=st)
+        encoders[pct(frac)] = (enc, ident)
+    feats = probe.encoder_features(dataclasses.replace(pcfg, baselines=False), encoders, tcfg, probe_dir)["feats"]
     keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")
-    how = {"steps_trained": meta.get("stopped_at", st["step"]), **{k: meta[k] for k in keys if k in meta}}
-    feats = probe.checkpoint_features(dataclasses.replace(pcfg, baselines=False), ckpt, probe_dir, state=st)
-    return feats["feats"]["pretrained"], how
+    out = {}
+    for frac, st in states.items():
+        meta = st["supervised"]
+        out[frac] = feats[pct(frac)], {"steps_trained": meta.get("stopped_at", st["step"]),
+                                        **{k: meta[k] for k in keys if k in meta}}
+    return out
 
 
 def frozen_probe(fitted: dict) -> np.ndarray:
@@ -811,9 +819,11 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     done = stages.together("references and fine-tuning", jobs) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
-    for frac, (name, _) in refs.items():
-        sup[frac], sup_training[pct(frac)] = stages.run(f"supervised features, {pct(frac)} of labels",
-                                                        lambda name=name: supervised_features(pcfg, done[name], probe_dir))
+    if refs:
+        read = stages.run("supervised features", lambda: supervised_features(
+            pcfg, {frac: done[name] for frac, (name, _) in refs.items()}, probe_dir))
+        for frac, (feats_f, how) in read.items():
+            sup[frac], sup_training[pct(frac)] = feats_f, how
     for (frac, init, _), (name, _) in tunes.items():
         tuned.setdefault(frac, {}).setdefault(init, []).append(done[name].prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,

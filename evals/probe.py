@@ -292,23 +292,29 @@ def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = No
     `state`: the checkpoint already loaded by a caller that reads more of it (loaded once)."""
     check_tasks(cfg)
     enc, tcfg, ident = features.checkpoint_encoder(ckpt, state=state)
+    encoders = {"pretrained": (enc, ident)}
+    for draw, seed in enumerate(draw_seeds(cfg) if cfg.baselines else (), 1):
+        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed, train_cfg=tcfg)
+        encoders[random_draw(draw)] = (r_enc, r_ident)
+    return {**encoder_features(cfg, encoders, tcfg, probe_dir), "step": ident["step"]}
+
+
+def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | None = None) -> dict:
+    """The labelled rows and the features of named encoders ({name: (encoder, identity)}) of one
+    architecture (`tcfg`, whose cache they read unless `cache` is set): those kept under
+    <probe_dir>/features are loaded, the others extracted in one pass over the cache (each batch read once)."""
+    check_tasks(cfg)
     cache = cfg.cache or tcfg.data.cache
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
-    encoders = {"pretrained": (enc, ident)}
-    for draw, seed in enumerate(draw_seeds(cfg) if cfg.baselines else (), 1):
-        r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed, train_cfg=tcfg)
-        encoders[random_draw(draw)] = (r_enc, r_ident)
     precision = features.resolve_precision(cfg.precision, cfg.device)
     keys = {name: features.feature_key(idn, rows, tcfg, cfg.token_pool, precision) for name, (_, idn) in encoders.items()}
-    # the encoders without kept features in one pass over the cache (each batch read once)
     feats, reused = features.cached_all(probe_dir / "features", keys, lambda names, part: features.extract_all(
         {n: encoders[n][0] for n in names}, tcfg, rows[part], cache, cfg.token_pool, cfg.device, cfg.extract_batch,
         precision=precision), len(rows))
-    return {"rows": rows, "feats": feats, "reused": reused, "step": ident["step"], "cache": cache,
-            "probe_dir": probe_dir}
+    return {"rows": rows, "feats": feats, "reused": reused, "cache": cache, "probe_dir": probe_dir}
 
 
 def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True) -> dict:
