@@ -101,15 +101,8 @@ def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, pre
 PART_ROWS = 512  # rows a pass computes and writes before the next: what a killed pass loses at most
 
 
-def cached(out_dir: Path, key: str, compute, n_rows: int) -> tuple[dict, bool]:
-    """Load <out_dir>/<key>.npz, or compute it (`compute(part)`: the arrays of rows[part]) and write
-    it as cached_all does. Returns (arrays, reused)."""
-    feats, reused = cached_all(out_dir, {"": key}, lambda names, part: {"": compute(part)}, n_rows)
-    return feats[""], reused[""]
-
-
 def cached_all(out_dir: Path, keys: dict[str, str], compute, n_rows: int) -> tuple[dict, dict]:
-    """`cached` for several named keys: those on disk are loaded, the others computed together,
+    """Load <out_dir>/<key>.npz of each named key, and compute the missing ones together,
     PART_ROWS rows at a time (`compute(names, part)` -> {name: arrays of rows[part]}, one pass over
     those rows: extract_all). Each part is written as soon as it is computed (<key>.parts/), so a
     pass killed midway resumes from the rows done; when all are, the parts become <key>.npz,

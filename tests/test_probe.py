@@ -161,7 +161,8 @@ def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, 
         return {n: {k: v[part] for k, v in together[n].items()} for n in names}
 
     keys = {"draw1": "k1", "draw2": "k2"}
-    features.cached(tmp_path / "f", "k1", lambda part: together["draw1"], len(rows))       # one kept already
+    features.cached_all(tmp_path / "f", {"draw1": "k1"}, compute, len(rows))              # one kept already
+    asked.clear()
     got, reused = features.cached_all(tmp_path / "f", keys, compute, len(rows))
     assert asked == [(["draw2"], 0, 5)] and reused == {"draw1": True, "draw2": False}
     assert np.array_equal(got["draw1"]["pooled"], together["draw1"]["pooled"])
