@@ -73,21 +73,30 @@ def extract_all(encs: dict[str, Encoder], cfg: TrainConfig, rows: list[dict], ca
     """`extract` for several encoders of one input shape in one pass over the cache: each batch is
     read once and run through every encoder (the learning check's random-init draws: reading the
     volumes is a large share of an encoder's pass on a GPU). Each encoder's features are the ones
-    `extract` gives it alone. Returns {name: features}."""
+    `extract` gives it alone. `token_pool` one grid pooling for all, or {name: pooling}: names
+    that share one Encoder object run it once a batch and pool its tokens each their own way (the
+    check's headline features and the token probe's full grid). Returns {name: features}."""
+    pools = token_pool if isinstance(token_pool, dict) else {name: token_pool for name in encs}
     encs = {name: e.to(device) for name, e in encs.items()}
     pooled, grids = {name: [] for name in encs}, {name: [] for name in encs}
     for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch, pad=pad):
         x = x.to(device)
+        ran = {}  # id(encoder) -> its tokens of this batch
         for name, enc in encs.items():
-            with autocast(precision, device):
-                h = encoder.tokens(enc, x).float()                                    # [b, N, d]
+            if id(enc) not in ran:
+                with autocast(precision, device):
+                    ran[id(enc)] = encoder.tokens(enc, x).float()                     # [b, N, d]
+            h = ran[id(enc)]
             pooled[name].append(enc.pool(h)[:n].cpu())
             if tokens:
-                grids[name].append(enc.pool_grid(h, token_pool)[:n].to(token_dtype).cpu())
+                grids[name].append(enc.pool_grid(h, pools[name])[:n].to(token_dtype).cpu())
         if progress:
             progress(n)
     return {name: {"pooled": torch.cat(pooled[name]).numpy(), "tokens": torch.cat(grids[name]).numpy() if tokens else None}
             for name in encs}
+
+
+FULL_GRID = (1, 1, 1)  # no pooling: one feature vector per token (the token probe's features)
 
 
 def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, precision: str = "fp32") -> str:
@@ -96,6 +105,12 @@ def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, pre
     if precision != "fp32":  # float32 features keep the keys they had before precision was a setting
         blob["precision"] = precision
     return config.content_key(blob, 20)
+
+
+def grid_key(ident: dict, rows: list[dict], cfg: TrainConfig, precision: str = "fp32") -> str:
+    """The key of an encoder's full token grid (FULL_GRID) on those rows: the token probe reads it,
+    and the learning check's features pass writes it beside the probes' features."""
+    return "tokens_" + feature_key(ident, rows, cfg, FULL_GRID, precision)
 
 
 PART_ROWS = 512  # rows a pass computes and writes before the next: what a killed pass loses at most

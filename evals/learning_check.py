@@ -783,7 +783,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
     probe_dir = RunFolder(run_dir).probe
-    f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir))
+    reads_tokens = spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists()  # the token probe runs
+    grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
+    f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
     about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
              "source": source, "cohort_seed": seed if generated else None,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
@@ -839,11 +841,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         result["finetune"]["runs"] = [done[name].run for name, _ in tunes.values()]
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
         result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
-    if spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists():  # a generated cohort's answer key
+    if reads_tokens:  # a generated cohort's answer key
         # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them (stop 50's was)
         write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
-        tokens = stages.run("token probe", lambda: token_probe.run(ckpt, source, RunFolder(run_dir).probe / "tokens",
-                                                                   cache, pcfg.seed, device=device))
+        tokens = stages.run("token probe", lambda: token_probe.run(
+            ckpt, source, probe_dir / "tokens", cache, pcfg.seed, device=device, batch=pcfg.extract_batch,
+            features_dir=probe_dir / "features", precision=f["precision"]))
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
     write_result(result, dest, "result")
     plot(result, dest / "result.png")

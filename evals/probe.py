@@ -286,23 +286,29 @@ def random_draws(feats: dict) -> list[str]:
     return names
 
 
-def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, state: dict | None = None) -> dict:
+def checkpoint_features(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, state: dict | None = None,
+                        grids: Sequence[str] = ()) -> dict:
     """The labelled rows and the features of the checkpoint's encoder and, with `baselines`, of
     `baseline_draws` random-init ones of the same architecture, extracted once and kept under <probe_dir>/features.
-    `state`: the checkpoint already loaded by a caller that reads more of it (loaded once)."""
+    `state`: the checkpoint already loaded by a caller that reads more of it (loaded once).
+    `grids`: encoders whose full token grids are also kept there (encoder_features)."""
     check_tasks(cfg)
     enc, tcfg, ident = features.checkpoint_encoder(ckpt, state=state)
     encoders = {"pretrained": (enc, ident)}
     for draw, seed in enumerate(draw_seeds(cfg) if cfg.baselines else (), 1):
         r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed, train_cfg=tcfg)
         encoders[random_draw(draw)] = (r_enc, r_ident)
-    return {**encoder_features(cfg, encoders, tcfg, probe_dir), "step": ident["step"]}
+    return {**encoder_features(cfg, encoders, tcfg, probe_dir, grids), "step": ident["step"]}
 
 
-def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | None = None) -> dict:
+def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | None = None,
+                     grids: Sequence[str] = ()) -> dict:
     """The labelled rows and the features of named encoders ({name: (encoder, identity)}) of one
     architecture (`tcfg`, whose cache they read unless `cache` is set): those kept under
-    <probe_dir>/features are loaded, the others extracted in one pass over the cache (each batch read once)."""
+    <probe_dir>/features are loaded, the others extracted in one pass over the cache (each batch read once).
+    `grids`: encoders whose full token grids (features.grid_key, what the token probe reads) are
+    written there too in the same pass, not returned (the learning check's token probe then reads
+    no volume again)."""
     check_tasks(cfg)
     cache = cfg.cache or tcfg.data.cache
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
@@ -310,11 +316,16 @@ def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | N
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
     precision = features.resolve_precision(cfg.precision, cfg.device)
-    keys = {name: features.feature_key(idn, rows, tcfg, cfg.token_pool, precision) for name, (_, idn) in encoders.items()}
-    feats, reused = features.cached_all(probe_dir / "features", keys, lambda names, part: features.extract_all(
-        {n: encoders[n][0] for n in names}, tcfg, rows[part], cache, cfg.token_pool, cfg.device, cfg.extract_batch,
-        precision=precision), len(rows))
-    return {"rows": rows, "feats": feats, "reused": reused, "cache": cache, "probe_dir": probe_dir}
+    views = {name: (enc, cfg.token_pool, features.feature_key(idn, rows, tcfg, cfg.token_pool, precision))
+             for name, (enc, idn) in encoders.items()}
+    views.update({f"{name} grid": (encoders[name][0], features.FULL_GRID,
+                                   features.grid_key(encoders[name][1], rows, tcfg, precision)) for name in grids})
+    feats, reused = features.cached_all(probe_dir / "features", {n: v[2] for n, v in views.items()},
+                                        lambda names, part: features.extract_all(
+        {n: views[n][0] for n in names}, tcfg, rows[part], cache, {n: views[n][1] for n in names}, cfg.device,
+        cfg.extract_batch, precision=precision), len(rows))
+    return {"rows": rows, "feats": {n: feats[n] for n in encoders}, "reused": {n: reused[n] for n in encoders},
+            "cache": cache, "probe_dir": probe_dir, "precision": precision}
 
 
 def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None, reports: bool = True) -> dict:

@@ -27,22 +27,35 @@ def by_encoder(param: torch.Tensor, encoders: int) -> torch.Tensor:
     return param.view(encoders, param.shape[0] // encoders, *param.shape[1:])
 
 
-class LinearHeads(nn.Module):
+class Heads(nn.Module):
+    """A stack of heads, one per row of every parameter. The forward is `read(*prepare(...))`:
+    `prepare` is its fixed part (the input's norm, no parameters), which a fit applies once to all
+    its rows instead of to every batch (train_heads)."""
+
+    def forward(self, pooled: torch.Tensor | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.read(*self.prepare(pooled, tokens))
+
+
+class LinearHeads(Heads):
     def __init__(self, n_heads: int, dim: int, classes: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False)
         self.w = nn.Parameter(torch.zeros(n_heads, dim, classes))
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
-    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.norm(pooled)                                   # [B, d], or [E, B, d]: one set per encoder
+    def prepare(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None):
+        """The fixed part of the forward (no parameters): the pooled vector's norm."""
+        return self.norm(pooled), None
+
+    def read(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, H, C] of prepared inputs ([B, d], or [E, B, d]: one set per encoder)."""
         if x.dim() == 2:
             return torch.einsum("bd,hdc->bhc", x, self.w) + self.b  # [B, H, C]
         w = by_encoder(self.w, x.shape[0])
         return torch.einsum("ebd,egdc->begc", x, w).flatten(1, 2) + self.b
 
 
-class AttentiveHeads(nn.Module):
+class AttentiveHeads(Heads):
     """Cross-attention pooling: per head, `queries` learned vectors attend over the (normed)
     tokens; the pooled vectors feed a linear classifier. (A key or value projection would
     fold into the query and the classifier, so none is learned.)"""
@@ -54,8 +67,12 @@ class AttentiveHeads(nn.Module):
         self.w = nn.Parameter(torch.zeros(n_heads, queries * dim, classes))
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
-    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        t = self.norm(tokens)                                                   # [B, N, d], or [E, B, N, d]
+    def prepare(self, pooled: torch.Tensor | None, tokens: torch.Tensor):
+        """The fixed part of the forward (no parameters): the tokens' norm."""
+        return None, self.norm(tokens)
+
+    def read(self, pooled: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+        """Logits [B, H, C] of prepared tokens ([B, N, d], or [E, B, N, d])."""
         if t.dim() == 3:
             att = torch.softmax(torch.einsum("bnd,hqd->bhqn", t, self.q) / math.sqrt(t.shape[-1]), dim=-1)
             z = torch.einsum("bhqn,bnd->bhqd", att, t).flatten(2)               # [B, H, Q*d]
@@ -66,7 +83,7 @@ class AttentiveHeads(nn.Module):
         return torch.einsum("ebgk,egkc->begc", z, by_encoder(self.w, e)).flatten(1, 2) + self.b
 
 
-class GatedMILHeads(nn.Module):
+class GatedMILHeads(Heads):
     """Gated-attention multiple-instance pooling (Ilse, Tomczak and Welling, ICML 2018): a small
     gated network scores each token, the softmax of the scores weights the tokens, and a linear
     classifier reads the weighted sum. Unlike the attentive head's fixed queries, the score is a
@@ -81,8 +98,10 @@ class GatedMILHeads(nn.Module):
         self.w = nn.Parameter(torch.zeros(n_heads, dim, classes))
         self.b = nn.Parameter(torch.zeros(n_heads, classes))
 
-    def forward(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        t = self.norm(tokens)                                                   # [B, N, d], or [E, B, N, d]
+    prepare = AttentiveHeads.prepare
+
+    def read(self, pooled: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+        """Logits [B, H, C] of prepared tokens ([B, N, d], or [E, B, N, d])."""
         if t.dim() == 3:
             gate = torch.tanh(torch.einsum("bnd,hdk->bhnk", t, self.v)) * torch.sigmoid(torch.einsum("bnd,hdk->bhnk", t, self.u))
             att = torch.softmax(torch.einsum("bhnk,hk->bhn", gate, self.a), dim=-1)
@@ -192,8 +211,12 @@ class ScaledHeads(nn.Module):
         self.heads, self.scale_p, self.scale_t = heads, scale_p, scale_t
 
     def forward(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.heads.read(*self.prepare(pooled, tokens))
+
+    def prepare(self, pooled: torch.Tensor, tokens: torch.Tensor | None = None):
+        """The fixed part of the forward (the scalers and the heads' norm): what `heads.read` takes."""
         t = self.scale_t(tokens.float()) if self.scale_t is not None and tokens is not None else tokens
-        return self.heads(self.scale_p(pooled.float()), t)
+        return self.heads.prepare(self.scale_p(pooled.float()), t)
 
     def one(self, h: int) -> "ScaledHeads":
         """The grid's head `h` alone (every head keeps its weights stacked on dim 0), behind the same
@@ -280,9 +303,10 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled, tokens, y: n
     model = ScaledHeads(heads, scaler(pooled, standardize),
                         scaler(tokens, standardize) if tokens is not None else None).to(dev)
 
-    def tensor(x):
-        return None if x is None else torch.from_numpy(np.stack(x) if stacked else x).float().to(dev)
-    P, T, rows = tensor(pooled), tensor(tokens), (slice(None),) if stacked else ()
+    def tensor(x, part: slice):  # those rows as float32 on the device ([E, rows, ...] when stacked)
+        return None if x is None else torch.from_numpy(np.stack([a[part] for a in x]) if stacked else x[part]).float().to(dev)
+    rows = (slice(None),) if stacked else ()
+    P, T = prepared(model, lambda part: (tensor(pooled, part), tensor(tokens, part)), len(y), len(rows))
     Y = torch.from_numpy(y).long().to(dev)
     n_heads = len(grid) * n_enc
     g = torch.Generator().manual_seed(seed)
@@ -290,13 +314,22 @@ def train_heads(kind: str, grid: list[tuple[float, float]], pooled, tokens, y: n
         perm = torch.randperm(len(Y), generator=g).to(dev)
         for i in range(0, len(Y), batch):
             idx = perm[i:i + batch]
-            logits = model(P[rows + (idx,)], T[rows + (idx,)] if T is not None else None)   # [b, H, C]
+            logits = heads.read(*(x[rows + (idx,)] if x is not None else None for x in (P, T)))  # [b, H, C]
             loss = F.cross_entropy(logits.reshape(-1, classes), Y[idx].repeat_interleave(n_heads),
                                    weight=weight, reduction="mean") * n_heads
             opt.zero_grad()
             loss.backward()
             opt.step()
     return HeadGrid(model, dev, n_enc)
+
+
+@torch.no_grad()
+def prepared(model: ScaledHeads, rows_of, n: int, axis: int, chunk: int = 256) -> tuple:
+    """`model.prepare` (the scalers and the heads' norm) of every training row once, not every
+    batch: `rows_of(part)` gives `chunk` rows at a time (stacked along `axis`), so no float32 copy
+    of all the raw features is made. Each row comes out as it would in a batch."""
+    parts = [model.prepare(*rows_of(slice(i, i + chunk))) for i in range(0, n, chunk)]
+    return tuple(None if part[0] is None else torch.cat(part, axis) for part in zip(*parts))
 
 
 class _HeadAdamW:

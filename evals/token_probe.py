@@ -188,9 +188,11 @@ def compare_scorers(scores: dict, labels: np.ndarray, split: np.ndarray, partici
 
 
 def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int = 0, n_boot: int = 200,
-        device: str = "cpu", batch: int = 8) -> dict:
+        device: str = "cpu", batch: int = 8, features_dir: Path | None = None, precision: str = "fp32") -> dict:
     """The token probe of one checkpoint on a generated lesions cohort; writes <out>/token_probe.json
-    and .md. Token features are kept under <out>/features (a re-run reuses them)."""
+    and .md. Token features are kept under `features_dir` (<out>/features; a re-run reuses them;
+    the learning check points it at its probes' features, whose pass wrote them: probe.encoder_features),
+    computed under `precision` autocast (features.resolve_precision)."""
     enc, tcfg, ident = features.checkpoint_encoder(ckpt)
     cache = cache or tcfg.data.cache
     rows = probe.labelled_rows(cache, seed, False)
@@ -202,16 +204,18 @@ def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int =
     participants = np.array([r["participant_id"] for r in rows])
     r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed + 1, train_cfg=tcfg)
     scores, encs = {}, {"pretrained": (enc, ident), "random_init": (r_enc, r_ident)}
-    keys = {name: "tokens_" + features.feature_key(idn, rows, tcfg, (1, 1, 1)) for name, (_, idn) in encs.items()}
-    feats, _ = features.cached_all(out / "features", keys, lambda names, part: features.extract_all(
-        {n: encs[n][0] for n in names}, tcfg, rows[part], cache, (1, 1, 1), device, batch), len(rows))  # one pass
+    precision = features.resolve_precision(precision, device)
+    keys = {name: features.grid_key(idn, rows, tcfg, precision) for name, (_, idn) in encs.items()}
+    feats, reused = features.cached_all(features_dir or out / "features", keys, lambda names, part: features.extract_all(
+        {n: encs[n][0] for n in names}, tcfg, rows[part], cache, features.FULL_GRID, device, batch,
+        precision=precision), len(rows))  # one pass
     for name, f in feats.items():
         scores[name] = score_encoder(f["tokens"], labels, split)
         print(f"token-probe: {name} val within-position AUROC {scores[name]['val_auroc']:.3f}", flush=True)
     raw = voxel_stats(cache, rows, tcfg.data.stride, crop, tubelet, batch)
     scores["voxels"] = score_encoder(raw, labels, split)
     result = {"ckpt": ckpt, "source": source, "cache": cache, "step": ident["step"], "tokens_per_volume": labels.shape[1],
-              "lesion_tokens_per_volume": float((labels == LESION).sum(1).mean()),
+              "lesion_tokens_per_volume": float((labels == LESION).sum(1).mean()), "features_reused": reused,
               **compare_scorers(scores, labels, split, participants, n_boot, seed), "bootstrap": n_boot}
     out.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(out / "token_probe.json"), json.dumps(result, indent=2).encode())

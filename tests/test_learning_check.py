@@ -374,6 +374,8 @@ def gpu_dry_run(tmp_path, out, capsys):
     printed = capsys.readouterr().out
     assert learning_check.INTERIM in printed   # the headline rows' verdict, printed before the references
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
+    # its two encoders' tokens came from the features pass (probe.encoder_features' grids): no second pass
+    assert res["token_probe"]["features_reused"] == {"pretrained": True, "random_init": True}
     # random init's two draws (decision 44) in the headline's processes and the curve's job alike
     assert res["random_draws"] == 2 and len(res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["random_draws"]) == 2
     assert "random-init (mean of 2 draws)" in (tmp_path / out / "lesions" / "result.md").read_text()

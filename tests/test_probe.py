@@ -154,6 +154,18 @@ def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, 
         alone = features.extract(enc, cfg, rows, str(tiny_cache), (1, 2, 2), batch=2)
         assert all(np.array_equal(together[name][k], alone[k]) for k in ("pooled", "tokens"))
     assert not np.array_equal(together["draw1"]["pooled"], together["draw2"]["pooled"])
+    # one encoder under two names, pooled two ways (the check's headline features and the token
+    # probe's full grid): one forward a batch, each name's features as `extract` gives them alone
+    calls = []
+    hook = encs["draw1"].register_forward_hook(lambda *_: calls.append(1))
+    views = features.extract_all({"draw1": encs["draw1"], "draw1 grid": encs["draw1"]}, cfg, rows, str(tiny_cache),
+                                 {"draw1": (1, 2, 2), "draw1 grid": features.FULL_GRID}, batch=2)
+    hook.remove()
+    assert len(calls) == 3                                                                # 5 rows, batches of 2
+    full = features.extract(encs["draw1"], cfg, rows, str(tiny_cache), features.FULL_GRID, batch=2)
+    assert all(np.array_equal(views["draw1"][k], together["draw1"][k]) for k in ("pooled", "tokens"))
+    assert np.array_equal(views["draw1 grid"]["tokens"], full["tokens"])
+    assert views["draw1 grid"]["tokens"].shape[1] > views["draw1"]["tokens"].shape[1]
     asked = []
 
     def compute(names, part):
@@ -362,3 +374,31 @@ def test_several_encoders_grids_train_as_one_stack_as_each_alone(kind):
         assert np.allclose(together[e * len(grid):(e + 1) * len(grid)], want, atol=1e-5), (kind, e)
         assert np.allclose(stack.encoder(e)(pooled[e], toks[e]), want, atol=1e-5), (kind, e)
     assert not np.allclose(together[:len(grid)], together[len(grid):2 * len(grid)], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["linear", "attentive"])
+def test_a_fit_scales_and_norms_its_rows_once_as_each_batch_would(kind):
+    """train_heads prepares every training row once (probe_heads.prepared: the channel scalers and the
+    heads' norm, in chunks): the heads read any batch of those rows exactly as the whole forward
+    reads the raw batch, for one encoder and for a stack of two."""
+    from evals import probe_heads
+
+    rng = np.random.default_rng(1)
+    toks = [(rng.normal(size=(50, 6, 8)) * rng.uniform(0.5, 20, 8) + s).astype(np.float32) for s in (0.0, 4.0)]
+    pooled = [t.max(1) for t in toks]
+    idx = torch.tensor([3, 41, 7, 19, 0])
+    for stacked in (False, True):
+        p, t = (pooled, toks) if stacked else (pooled[0], toks[0])
+        scaler = probe_heads.ChannelScaler.stacked if stacked else probe_heads.ChannelScaler
+        heads = probe_heads.make_heads(kind, 2 * (2 if stacked else 1), 8, 2)
+        model = probe_heads.ScaledHeads(heads, scaler(p, True), scaler(t, True))
+
+        def rows(x, part):
+            return torch.from_numpy(np.stack([a[part] for a in x]) if stacked else x[part])
+        P, T = probe_heads.prepared(model, lambda part: (rows(p, part), rows(t, part)), 50, int(stacked), chunk=7)
+        pick = (slice(None), idx) if stacked else (idx,)
+        with torch.no_grad():
+            want = model(rows(p, slice(None))[pick], rows(t, slice(None))[pick])
+            got = heads.read(*(x[pick] if x is not None else None for x in (P, T)))
+        assert torch.equal(got, want), (kind, stacked)
+        assert (P is None) == (kind != "linear") and (T is None) == (kind == "linear")
