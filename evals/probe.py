@@ -152,9 +152,13 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
                     "probes": [], "per_device": {}, "cross_device": None,
                     "standardize": cfg.standardize}  # channels scaled by the training rows' statistics (decision 21)
     best = None  # (val rank, head, probabilities) of the pretrained encoder's head chosen on val: the plots
-    for enc_name, feats in feats_by_encoder.items():
+    names = list(feats_by_encoder)
+    fitted = {(name, kind): fit  # each kind's heads of every encoder trained as one stack (fit_grids)
+              for kind in cfg.heads for name, fit in zip(names, fit_and_select_all(
+                  kind, cfg, [feats_by_encoder[n] for n in names], y, split, k))}
+    for enc_name in names:
         for kind in cfg.heads:
-            chosen, prob = fit_and_select(kind, cfg, feats, y, split, k)
+            chosen, prob = fitted[enc_name, kind]
             res = {"encoder": enc_name, "head": kind, **chosen, "val": evaluate(prob, y, groups, split == "val", k, cfg),
                    "test": evaluate(prob, y, groups, test, k, cfg)}
             result["probes"].append(res)

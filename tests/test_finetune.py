@@ -405,7 +405,8 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert not same_state(runs[4].model.head.scale_p.state_dict(), other.model.head.scale_p.state_dict())
 
 
-@pytest.mark.parametrize("epochs, frozen, last", [(12, 6, 9), (10, 2, 7)])
+@pytest.mark.parametrize("epochs, frozen, last", [pytest.param(12, 6, 9, marks=pytest.mark.slow),  # 16 s: heavy lane
+                                                  (10, 2, 7)])
 def test_patience_counts_only_epochs_after_the_encoders_warmup_and_half_the_run(pretrained, tmp_path, epochs,
                                                                                 frozen, last):
     """Early stopping spends patience only once the encoder has trained through its warmup (in
