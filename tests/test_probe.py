@@ -402,3 +402,8 @@ def test_a_fit_scales_and_norms_its_rows_once_as_each_batch_would(kind):
             got = heads.read(*(x[pick] if x is not None else None for x in (P, T)))
         assert torch.equal(got, want), (kind, stacked)
         assert (P is None) == (kind != "linear") and (T is None) == (kind == "linear")
+        # what was prepared is the scaled, then normed, rows (written out here, not through `prepare`)
+        raw, sc = (rows(p, slice(None)), model.scale_p) if kind == "linear" else (rows(t, slice(None)), model.scale_t)
+        shape = ((2, 1) if kind == "linear" else (2, 1, 1)) + (8,) if stacked else (8,)
+        ref = torch.nn.functional.layer_norm((raw - sc.mean.view(shape)) / sc.std.view(shape), (8,))
+        assert torch.allclose(P if kind == "linear" else T, ref, atol=1e-6), (kind, stacked)
