@@ -111,6 +111,7 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
     return done, todo
 
 
+WORKER_IMPORTS = ("torch", "cache.worker")  # what a worker needs (the resize is torch's): its process server preloads them
 WORKER_CRASHED = ("worker crashed: the process died while decoding this file alone (out of memory or a "
                   "decoder crash)")
 
@@ -123,7 +124,7 @@ def run_pool(todo: list[dict], cfg: CacheConfig, cache_root: str, tag: str, on_r
     max_tasks_per_child: on Python 3.11 a pool that replaces its workers can hang forever
     (seen here at 128 tasks with 2 workers)."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
-    ctx = procs.worker_context()
+    ctx = procs.worker_context(preload=WORKER_IMPORTS)
     cfg_dict = config.to_dict(cfg)
     queue = deque(todo)
     while queue:

@@ -421,6 +421,9 @@ def _write_job(job: VolumeJob, path: Path, compress: str | None) -> None:
     path.write_bytes(dicom_bytes(job.dataset(), compress))
 
 
+WRITER_IMPORTS = ("pandas", "pydicom", "ingest.synth")  # what a writer needs: its process server preloads them
+
+
 class _Writer:
     """Renders and writes volumes here (workers=0) or in a pool of processes, with at most two
     per worker in flight (a job is small: its volume's noise is drawn where it is rendered)."""
@@ -429,7 +432,7 @@ class _Writer:
         self.pending: collections.deque = collections.deque()
         self.pool = None
         if workers > 0:
-            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=procs.worker_context())
+            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=procs.worker_context(preload=WRITER_IMPORTS))
         self.limit = 2 * workers
 
     def submit(self, job: VolumeJob, path: Path, compress: str | None) -> None:

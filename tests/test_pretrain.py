@@ -475,3 +475,35 @@ def test_workers_of_a_python_m_main_start_without_runpy_warnings(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "found in sys.modules" not in r.stderr, r.stderr[-2000:]
     assert len(list((tmp_path / "s").rglob("*.dcm"))) >= 64
+
+def test_a_pool_that_needs_less_starts_a_lighter_server_and_a_loader_replaces_it(tmp_path):
+    """A pool that asks for fewer preloads (the cache build's: cache.build.WORKER_IMPORTS, no MONAI
+    or trainer) gets a server with only those in a process without torch; a training loader later
+    in the same process gets a new server with the heavy list. Once the process has imported torch
+    (this test's does) every pool gets the heavy list."""
+    from cache import build
+    from ingest import synth
+    from octfm import procs
+
+    assert not {"monai.transforms", "train.data"} & {*build.WORKER_IMPORTS, *synth.WRITER_IMPORTS}
+    assert procs.server_modules(build.WORKER_IMPORTS)[:4] == list(procs.HEAVY)  # torch is in sys.modules here
+    (tmp_path / "asked.py").write_text("import os, sys\n\ndef loaded(name):\n    return name in sys.modules, os.getppid()\n")
+    code = """
+import concurrent.futures as cf, json, sys
+import asked
+from octfm import procs
+
+def ask(ctx):
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(asked.loaded, "monai.transforms").result()
+
+light = ask(procs.worker_context(preload=("json",)))
+heavy = ask(procs.worker_context())
+print(json.dumps([light, heavy, "torch" in sys.modules]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    light, heavy, torch_here = json.loads(r.stdout.strip().splitlines()[-1])
+    assert light[0] is False and not torch_here     # the light server: no MONAI
+    assert heavy[0] is True and heavy[1] != light[1]  # a loader's: a new server, with MONAI
