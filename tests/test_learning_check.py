@@ -44,6 +44,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert learning_check.draws_line(res) in (out / "lesions" / "result.md").read_text()
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "supervised features",    # the three references' in one pass
+                                  "references and fine-tuning", learning_check.CURVE_JOB,  # at once (decision 47)
                                   *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
@@ -399,6 +400,16 @@ def test_the_gpu_size_check_gives_the_same_rows_one_at_a_time(tmp_path, capsys):
         assert seq[key] == res[key], key
 
 
+def test_jobs_at_once_run_on_the_threads_they_are_given():
+    """Stages.together's processes: at CPU size one torch thread each (decision 47), at GPU size
+    torch's default (the machine's cores)."""
+    import torch
+
+    jobs = {"a": (torch.get_num_threads, ()), "b": (torch.get_num_threads, ())}
+    assert learning_check.in_processes(jobs, 2, threads=1) == {"a": 1, "b": 1}
+    assert learning_check.in_processes(jobs, 2) == {"a": torch.get_num_threads(), "b": torch.get_num_threads()}
+
+
 def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeypatch):
     """`--size gpu` hands its references decision 17's stopping and budget, `--size cpu` none, and
     `--supervised-full-budget` trains them all max_steps at any size (to measure the stopping)."""
@@ -409,15 +420,18 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
     def fake_check(*args, **kwargs):
         seen.append((args[3], kwargs["supervised_stop"], kwargs["supervised_args"]))
         draws.append(kwargs["random_draws"])
+        at_once.append((kwargs["together"], kwargs["job_threads"]))
         raise SystemExit(0)
 
-    draws = []
+    draws, at_once = [], []
     monkeypatch.setattr(learning_check, "check", fake_check)
     for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"],
                  ["--size", "cpu", "--random-draws", "1"]):
         with pytest.raises(SystemExit):
             learning_check.main(argv)
     assert draws == [5, 3, 5, 1]                                          # decision 44: the size's, or the flag's
+    # both sizes run the references at once; the CPU size's processes on one thread each (decision 47)
+    assert at_once == [(True, 0), (True, 1), (True, 0), (True, 1)]
     with pytest.raises(cli.UsageError, match="--random-draws"):
         learning_check.main(["--random-draws", "0"])
     # the GPU size's references keep decision 17's 3,700 steps of 128 (decision 28 halved the pretraining's steps)
