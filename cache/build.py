@@ -111,7 +111,7 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
     return done, todo
 
 
-WORKER_IMPORTS = ("torch", "cache.worker")  # what a worker needs (the resize is torch's): its process server preloads them
+WORKER_IMPORTS = ("torch", "cache.worker")  # what a worker imports (the resize is torch's): its server preloads them
 WORKER_CRASHED = ("worker crashed: the process died while decoding this file alone (out of memory or a "
                   "decoder crash)")
 

@@ -432,7 +432,8 @@ class _Writer:
         self.pending: collections.deque = collections.deque()
         self.pool = None
         if workers > 0:
-            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=procs.worker_context(preload=WRITER_IMPORTS))
+            ctx = procs.worker_context(preload=WRITER_IMPORTS)
+            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
         self.limit = 2 * workers
 
     def submit(self, job: VolumeJob, path: Path, compress: str | None) -> None:

@@ -487,7 +487,8 @@ def test_a_pool_that_needs_less_starts_a_lighter_server_and_a_loader_replaces_it
 
     assert not {"monai.transforms", "train.data"} & {*build.WORKER_IMPORTS, *synth.WRITER_IMPORTS}
     assert procs.server_modules(build.WORKER_IMPORTS)[:4] == list(procs.HEAVY)  # torch is in sys.modules here
-    (tmp_path / "asked.py").write_text("import os, sys\n\ndef loaded(name):\n    return name in sys.modules, os.getppid()\n")
+    (tmp_path / "asked.py").write_text("import os, sys\n\n"
+                                       "def loaded(name):\n    return name in sys.modules, os.getppid()\n")
     code = """
 import concurrent.futures as cf, json, sys
 import asked

@@ -49,6 +49,7 @@ def member_data_offset(archive, name: str) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
+@pytest.mark.slow  # 25-37 s on 2 cores (three builds): the heavy lane, which CI runs; zip reads stay in make test
 def test_zipped_and_plain_trees_give_the_same_manifest_and_volumes(synth_tree, zipped_tree, tmp_path):
     assert not list(zipped_tree.rglob("*.dcm")) and len(list(zipped_tree.rglob("*.zip"))) == 8
     plain_rows, _ = build.build_sources(str(synth_tree))
