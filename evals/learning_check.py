@@ -78,16 +78,17 @@ class Size:
     config: str
     supervised_stop: supervised.Stopping = supervised.Stopping()
     supervised_args: tuple[str, ...] = ()
-    together: bool = False  # the references and fine-tuning runs at once, each in its own process (Stages.together)
-    job_threads: int = 0    # torch threads in each such process (0: torch's default, the machine's cores)
+    # the references, fine-tuning runs and headline tasks at once, each in its own process (Stages.together), on
+    # this many torch threads each (0: torch's default, the machine's cores); None: one after another
+    together: int | None = None
     random_draws: int = 3   # random-init encoders whose mean each random-init row reads (decision 44)
 
 
 # the CPU size at once too (decision 47): three single-thread processes run 1.5x the steps per second of one
 # process on both cores (this model's kernels are too small to use two threads well; docs/measurements.md)
-SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=True, job_threads=1),
+SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=1),
          "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
-                     ("batch_size=128", "max_steps=3700"), together=True, random_draws=5)}
+                     ("batch_size=128", "max_steps=3700"), together=0, random_draws=5)}
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
@@ -126,12 +127,13 @@ class Stages:
               flush=True)
         return out
 
-    def together(self, group: str, jobs: dict[str, tuple], threads: int = 0) -> dict:
+    def together(self, group: str, jobs: dict[str, tuple], threads: int) -> dict:
         """Each named job, (a module-level function, its arguments), in its own process, all at
         once: at GPU size the supervised references, the fine-tuning runs and the curve's probe
         heads each leave the GPU mostly idle by their step rates (a host-bound step of batch 128,
         a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
-        at once, started in the order given; at CPU size each on one thread (Size.job_threads). Each
+        at once, started in the order given, on `threads` torch threads each (Size.together: one at
+        CPU size, 0 at GPU size for torch's default). Each
         job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
         print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
         t0 = time.perf_counter()
@@ -683,17 +685,18 @@ def frozen_probe(fitted: dict) -> np.ndarray:
 
 
 def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str, n_boot: int,
-                    together: bool = False, threads: int = 0) -> dict:
+                    together: int | None = None) -> dict:
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
     Done once, right after the features (the interim result); probe_all builds on it. Random init is
     each of its draws (decision 44); a task's fits of every encoder train as one stack of heads
-    (check_probes.fit_encoders). `together`: the two tasks each in its own process at once, on
-    `threads` torch threads each (the GPU size: a head's step of batch 32 leaves the GPU mostly
+    (check_probes.fit_encoders). `together` (not None): the two tasks each in its own process at once,
+    on that many torch threads each, 0 for torch's default (the GPU size: a head's step of batch 32 leaves the GPU mostly
     idle; the CPU size: two single-thread processes use the cores better; the same fits)."""
     fs, encs = check_probes.folds(rows, protocol), ["pretrained", *probe.random_draws(feats)]
     jobs = {t: (check_probes.fit_encoders, (pcfg, [feats[e] for e in encs], t, rows, fs)) for t in (MULTI, BINARY)}
-    done = in_processes(jobs, len(jobs), threads=threads) if together else {t: _call(job) for t, job in jobs.items()}
+    done = in_processes(jobs, len(jobs), threads=together) if together is not None else \
+        {t: _call(job) for t, job in jobs.items()}
     fits = {t: {"pretrained": done[t][0], "random_init": done[t][1:]} for t in (MULTI, BINARY)}
     return {"folds": fs, "fits": fits,
             "tasks": {t: check_probes.compare(t, rows, fits[t], fs, n_boot, pcfg.seed) for t in (MULTI, BINARY)}}
@@ -765,16 +768,17 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
-          reference_fractions: Sequence[float] | None = None, together: bool = False, random_draws: int = 1,
-          job_threads: int = 0) -> dict:
+          reference_fractions: Sequence[float] | None = None, together: int | None = None,
+          random_draws: int = 1) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
     the size's, from main).
     `supervised_args`: the references' own overrides, before `overrides` (the size's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
-    of the curve's; the curve keeps its frozen rows at the others). `together`: the references
-    and fine-tuning runs each in its own process at once (Stages.together), on `job_threads`
-    torch threads each (0: torch's default)."""
+    of the curve's; the curve keeps its frozen rows at the others). `together` (not None): the
+    references and fine-tuning runs each in its own process at once (Stages.together), and the
+    headline's two tasks, on that many torch threads each (0: torch's default); None: one after
+    another (Size.together)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -806,7 +810,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
              "random_init_seeds": probe.draw_seeds(pcfg)}
     dest = out / cue
-    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together, job_threads))
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
     ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
@@ -814,7 +818,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
                  for k in range(finetune_seeds)] if splits else []
     # at once, the curve's own heads join them: they need no reference (curve_fits)
-    at_once = together and len(ref_fracs) + len(tune_keys) > 0
+    at_once = together is not None and len(ref_fracs) + len(tune_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
     refs = {frac: (f"supervised reference, {pct(frac)} of labels",
                    (supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac],
@@ -830,7 +834,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
         mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
         jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], fractions)), **jobs}
-    done = stages.together("references and fine-tuning", jobs, job_threads) if at_once else \
+    done = stages.together("references and fine-tuning", jobs, together) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
     if refs:
@@ -878,12 +882,11 @@ def write_result(result: dict, dest: Path, stem: str) -> None:
     fsio.atomic_write_bytes(str(dest / f"{stem}.md"), markdown(result).encode())
 
 
-def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, together: bool = False,
-            threads: int = 0) -> dict:
+def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, together: int | None = None) -> dict:
     """The headline rows as soon as the features exist, in result_interim.json and .md, and
     their verdict printed: a run cut short (a lent GPU's minutes) keeps the check's main number.
     Returns headline_probes' result, which the final probes reuse."""
-    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot, together, threads)
+    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot, together)
     res = {**about, "interim": INTERIM, "tasks": head["tasks"]}
     res["verdict"] = f"{INTERIM}: {verdict(res)}"
     write_result(res, dest, "result_interim")
@@ -970,8 +973,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
               supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
               supervised_args=size.supervised_args if a.config is None else (),
-              reference_fractions=a.reference_fraction, together=size.together and not a.one_at_a_time,
-              random_draws=a.random_draws or size.random_draws, job_threads=size.job_threads)
+              reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
+              random_draws=a.random_draws or size.random_draws)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -420,18 +420,19 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
     def fake_check(*args, **kwargs):
         seen.append((args[3], kwargs["supervised_stop"], kwargs["supervised_args"]))
         draws.append(kwargs["random_draws"])
-        at_once.append((kwargs["together"], kwargs["job_threads"]))
+        at_once.append(kwargs["together"])
         raise SystemExit(0)
 
     draws, at_once = [], []
     monkeypatch.setattr(learning_check, "check", fake_check)
     for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"],
-                 ["--size", "cpu", "--random-draws", "1"]):
+                 ["--size", "cpu", "--random-draws", "1"], ["--size", "cpu", "--one-at-a-time"]):
         with pytest.raises(SystemExit):
             learning_check.main(argv)
-    assert draws == [5, 3, 5, 1]                                          # decision 44: the size's, or the flag's
-    # both sizes run the references at once; the CPU size's processes on one thread each (decision 47)
-    assert at_once == [(True, 0), (True, 1), (True, 0), (True, 1)]
+    assert draws == [5, 3, 5, 1, 3]                                       # decision 44: the size's, or the flag's
+    # both sizes run the references at once, the CPU size's processes on one thread each (decision 47), the
+    # GPU size's on torch's default (0); --one-at-a-time: none at once (None)
+    assert at_once == [0, 1, 0, 1, None]
     with pytest.raises(cli.UsageError, match="--random-draws"):
         learning_check.main(["--random-draws", "0"])
     # the GPU size's references keep decision 17's 3,700 steps of 128 (decision 28 halved the pretraining's steps)
