@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -116,17 +117,20 @@ def grid_key(ident: dict, rows: list[dict], cfg: TrainConfig, precision: str = "
 PART_ROWS = 512  # rows a pass computes and writes before the next: what a killed pass loses at most
 
 
-def cached_all(out_dir: Path, keys: dict[str, str], compute, n_rows: int) -> tuple[dict, dict]:
+def cached_all(out_dir: Path, keys: dict[str, str], compute, n_rows: int,
+               write_only: Collection[str] = ()) -> tuple[dict, dict]:
     """Load <out_dir>/<key>.npz of each named key, and compute the missing ones together,
     PART_ROWS rows at a time (`compute(names, part)` -> {name: arrays of rows[part]}, one pass over
     those rows: extract_all). Each part is written as soon as it is computed (<key>.parts/), so a
     pass killed midway resumes from the rows done; when all are, the parts become <key>.npz,
-    written atomically. Returns ({name: arrays}, {name: reused})."""
+    written atomically. `write_only`: names made on disk but neither loaded nor returned (the
+    token probe's full grids, read later by another stage: about 1 GB at GPU size), each held in
+    memory only while its file is written. Returns ({name: arrays}, {name: reused})."""
     out_dir = Path(out_dir)
     paths = {name: out_dir / f"{key}.npz" for name, key in keys.items()}
     feats, reused = {}, {name: path.exists() for name, path in paths.items()}
     for name, path in paths.items():
-        if reused[name]:
+        if reused[name] and name not in write_only:
             feats[name] = _load(path)
     missing = [name for name in keys if not reused[name]]
     parts = {name: out_dir / f"{keys[name]}.parts" for name in missing}
@@ -139,12 +143,19 @@ def cached_all(out_dir: Path, keys: dict[str, str], compute, n_rows: int) -> tup
         for name in missing:
             if name in computed:
                 _save(files[name], computed[name])
-            done[name].append(computed[name] if name in computed else _load(files[name]))
+            # a write-only name's parts stay on disk until its whole file is made
+            done[name].append(files[name] if name in write_only else
+                              computed[name] if name in computed else _load(files[name]))
+        del computed
     for name in missing:
-        feats[name] = {k: np.concatenate([d[k] for d in done[name]]) for k in done[name][0]}
-        _save(paths[name], feats[name])
+        chunks = [_load(d) if isinstance(d, Path) else d for d in done.pop(name)]
+        whole = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+        del chunks
+        _save(paths[name], whole)
         shutil.rmtree(parts[name], ignore_errors=True)
-    return {name: feats[name] for name in keys}, reused
+        if name not in write_only:
+            feats[name] = whole
+    return {name: feats[name] for name in keys if name not in write_only}, reused
 
 
 def _load(path: Path) -> dict:

@@ -327,7 +327,7 @@ def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | N
     feats, reused = features.cached_all(probe_dir / "features", {n: v[2] for n, v in views.items()},
                                         lambda names, part: features.extract_all(
         {n: views[n][0] for n in names}, tcfg, rows[part], cache, {n: views[n][1] for n in names}, cfg.device,
-        cfg.extract_batch, precision=precision), len(rows))
+        cfg.extract_batch, precision=precision), len(rows), write_only=[f"{name} grid" for name in grids])
     return {"rows": rows, "feats": {n: feats[n] for n in encoders}, "reused": {n: reused[n] for n in encoders},
             "cache": cache, "probe_dir": probe_dir, "precision": precision}
 

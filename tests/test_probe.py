@@ -181,6 +181,18 @@ def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, 
     again, reused = features.cached_all(tmp_path / "f", keys, compute, len(rows))
     assert len(asked) == 1 and reused == {"draw1": True, "draw2": True}
     assert np.array_equal(again["draw2"]["tokens"], together["draw2"]["tokens"])
+    # write-only names (the token probe's grids): made on disk in the same pass, never loaded nor returned
+    loaded, real_load = [], features._load
+    features._load = lambda path: loaded.append(path.name) or real_load(path)
+    try:
+        got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
+        assert set(got) == {"draw1"} and reused == {"draw1": False, "draw2": False} and asked[-1][0] == ["draw1", "draw2"]
+        assert np.array_equal(real_load(tmp_path / "g" / "k2.npz")["tokens"], together["draw2"]["tokens"])
+        loaded.clear()
+        got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
+        assert set(got) == {"draw1"} and reused == {"draw1": True, "draw2": True} and loaded == ["k1.npz"]
+    finally:
+        features._load = real_load
 
 
 def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatch):
@@ -204,8 +216,9 @@ def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         features.cached_all(tmp_path / "f", keys, compute, 10)
     assert not (tmp_path / "f" / "ka.npz").exists()
-    got, reused = features.cached_all(tmp_path / "f", keys, compute, 10)
-    assert asked == [0, 4, 8, 8] and reused == {"a": False, "b": False}
+    got, reused = features.cached_all(tmp_path / "f", keys, compute, 10, write_only=["b"])  # b: from its parts on disk
+    assert asked == [0, 4, 8, 8] and reused == {"a": False, "b": False} and set(got) == {"a"}
+    got["b"] = features._load(tmp_path / "f" / "kb.npz")
     for n in keys:
         assert all(np.array_equal(got[n][k], full[n][k]) and got[n][k].dtype == full[n][k].dtype for k in full[n])
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["ka.npz", "kb.npz"]   # the parts are gone
