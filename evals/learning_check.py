@@ -133,8 +133,8 @@ class Stages:
         heads each leave the GPU mostly idle by their step rates (a host-bound step of batch 128,
         a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
         at once, started in the order given, on `threads` torch threads each (Size.together: one at
-        CPU size, 0 at GPU size for torch's default). Each
-        job's wall and CPU seconds are its own process's; `group`'s wall is the jobs' together."""
+        CPU size, 0 at GPU size for torch's default). Each job's wall and CPU seconds are its own
+        process's; `group`'s wall is the jobs' together."""
         print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
         t0 = time.perf_counter()
 
@@ -690,9 +690,10 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
     Done once, right after the features (the interim result); probe_all builds on it. Random init is
     each of its draws (decision 44); a task's fits of every encoder train as one stack of heads
-    (check_probes.fit_encoders). `together` (not None): the two tasks each in its own process at once,
-    on that many torch threads each, 0 for torch's default (the GPU size: a head's step of batch 32 leaves the GPU mostly
-    idle; the CPU size: two single-thread processes use the cores better; the same fits)."""
+    (check_probes.fit_encoders). `together` (not None): the two tasks each in its own process at
+    once, on that many torch threads each, 0 for torch's default (the GPU size: a head's step of
+    batch 32 leaves the GPU mostly idle; the CPU size: two single-thread processes use the cores
+    better; the same fits)."""
     fs, encs = check_probes.folds(rows, protocol), ["pretrained", *probe.random_draws(feats)]
     jobs = {t: (check_probes.fit_encoders, (pcfg, [feats[e] for e in encs], t, rows, fs)) for t in (MULTI, BINARY)}
     done = in_processes(jobs, len(jobs), threads=together) if together is not None else \
