@@ -138,7 +138,7 @@ def test_random_init_draws_are_encoders_of_their_own_init_seeds(signal_run):
         _cfg(signal_run, baseline_draws=0)
 
 
-def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, tmp_path):
+def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, tmp_path, monkeypatch):
     """features.extract_all: several encoders over one read of the cache give each the features
     `extract` gives it alone, and cached_all computes only the keys not on disk, together."""
     from conftest import tiny_train_args
@@ -183,16 +183,13 @@ def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, 
     assert np.array_equal(again["draw2"]["tokens"], together["draw2"]["tokens"])
     # write-only names (the token probe's grids): made on disk in the same pass, never loaded nor returned
     loaded, real_load = [], features._load
-    features._load = lambda path: loaded.append(path.name) or real_load(path)
-    try:
-        got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
-        assert set(got) == {"draw1"} and reused == {"draw1": False, "draw2": False} and asked[-1][0] == ["draw1", "draw2"]
-        assert np.array_equal(real_load(tmp_path / "g" / "k2.npz")["tokens"], together["draw2"]["tokens"])
-        loaded.clear()
-        got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
-        assert set(got) == {"draw1"} and reused == {"draw1": True, "draw2": True} and loaded == ["k1.npz"]
-    finally:
-        features._load = real_load
+    monkeypatch.setattr(features, "_load", lambda path: loaded.append(path.name) or real_load(path))
+    got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
+    assert set(got) == {"draw1"} and reused == {"draw1": False, "draw2": False} and asked[-1][0] == ["draw1", "draw2"]
+    assert np.array_equal(real_load(tmp_path / "g" / "k2.npz")["tokens"], together["draw2"]["tokens"])
+    loaded.clear()
+    got, reused = features.cached_all(tmp_path / "g", keys, compute, len(rows), write_only=["draw2"])
+    assert set(got) == {"draw1"} and reused == {"draw1": True, "draw2": True} and loaded == ["k1.npz"]
 
 
 def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatch):
