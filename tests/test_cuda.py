@@ -47,6 +47,19 @@ def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
         first = float(loss) if first is None else first
         assert torch.isfinite(loss) and torch.isfinite(gnorm)
     assert float(loss) < first and int(tr.skipped) == 0
+    # steady steps read nothing back to the host: any synchronising call raises in this mode
+    # (tests/test_step_graph.py holds the same on the CPU with the profiler)
+    for scale, steps in ((1.0, 3), (1e4, 1)):  # then a skipped update, which takes the same path
+        pretrain.set_scalar(tr.loss_scale, scale)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(steps):
+                tr.advance_schedules()
+                tr.update([bs[i % 4]], tr.model)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert int(tr.skipped) == 1
     # the fused kernels alone: a math fallback would have raised inside sdpa_kernel
     q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16)
     torch.cuda.reset_peak_memory_stats()
