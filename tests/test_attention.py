@@ -100,27 +100,34 @@ def test_the_model_routes_through_attend(monkeypatch):
     assert len(seen) == 2 and seen[0] == (2, 2, enc.num_tokens, 16)
 
 
-def test_cuda_kernels_never_include_the_math_path(monkeypatch):
-    """On CUDA SDPA may choose among flash and memory-efficient (cuDNN with OCTFM_SDPA_CUDNN=1) only
-    (the CPU runs the same call: its flash kernel, with and without a mask)."""
-    chosen = []
-    import torch.nn.attention as tna
+@pytest.fixture
+def sdpa_flags():
+    """The process's SDPA backend flags and priority, put back after the test."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends, _sdpa_kernel
 
-    real = tna.sdpa_kernel
+    saved, order = _cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order()
+    attention.cuda_backends.cache_clear()
+    yield
+    _sdpa_kernel(saved)
+    torch._C._set_sdp_priority_order(order)
+    attention.cuda_backends.cache_clear()
+    attention._FUSED_ONLY = False
 
-    def record(backends, *a, **kw):
-        chosen.append(set(backends))
-        return real(backends, *a, **kw)
 
-    monkeypatch.setattr(tna, "sdpa_kernel", record)
+def test_cuda_kernels_never_include_the_math_path(sdpa_flags, monkeypatch):
+    """On CUDA SDPA may choose among flash and memory-efficient only (cuDNN first with
+    OCTFM_SDPA_CUDNN=1), set once for the process by the first fused call, not per call (the CPU
+    runs the same call: its flash kernel, with and without a mask)."""
+    monkeypatch.delenv(attention.CUDNN_ENV, raising=False)
+    attention._FUSED_ONLY = False
     q = torch.randn(2, 2, 40, 8)
     keep = torch.rand(2, 40) > 0.5
     keep[:, 0] = True
     for m in (None, keep):
         torch.testing.assert_close(attention.sdpa_fused(q, q, q, m), reference(q, q, q, m), rtol=1e-4, atol=1e-4)
-    from torch.nn.attention import SDPBackend
-
-    assert chosen and all(SDPBackend.MATH not in c for c in chosen)
+    assert attention._FUSED_ONLY
+    assert not torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
 
 
 def test_row_gather_matches_an_elementwise_gather_in_value_and_gradient():
@@ -138,15 +145,15 @@ def test_row_gather_matches_an_elementwise_gather_in_value_and_gradient():
     torch.testing.assert_close(model.gather_rows(pos, idx), pos[idx.long()])
 
 
-def test_cuda_calls_leave_out_cudnn_attention_unless_asked(monkeypatch):
-    """Flash and memory-efficient only by default (cuDNN's per-shape graph builds: a lead for the
-    first H200 step's 97 s); OCTFM_SDPA_CUDNN=1 adds cuDNN, for device-check's comparison."""
+def test_cuda_calls_leave_out_cudnn_attention_unless_asked(sdpa_flags, monkeypatch):
+    """Flash and memory-efficient only by default (cuDNN builds a graph per new shape at its first
+    call); OCTFM_SDPA_CUDNN=1 puts cuDNN first in SDPA's priority, for device-check's comparison."""
     from torch.nn.attention import SDPBackend
 
-    attention.cuda_backends.cache_clear()
     monkeypatch.delenv(attention.CUDNN_ENV, raising=False)
     assert attention.cuda_backends() == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
     attention.cuda_backends.cache_clear()
     monkeypatch.setenv(attention.CUDNN_ENV, "1")
-    assert SDPBackend.CUDNN_ATTENTION in attention.cuda_backends()
-    attention.cuda_backends.cache_clear()
+    attention.use_fused_kernels()
+    assert attention.cuda_backends()[0] == SDPBackend.CUDNN_ATTENTION and torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)

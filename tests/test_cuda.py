@@ -68,6 +68,22 @@ def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
     assert torch.cuda.max_memory_allocated() - held < 2 * 4 * 3000 * 3000  # no [B, H, N, N] bf16 scores
 
 
+def test_the_residual_stream_and_the_norms_stay_bf16_under_cuda_autocast(tiny_cache, tmp_path):
+    """CUDA's autocast runs nn.LayerNorm in float32 and returns float32; the model's norms read and
+    write bf16, and every block's input and output is bf16 (tests/test_step_graph.py on the CPU)."""
+    tr = trainer(tiny_cache, tmp_path)
+    b = batches(tr, 1)[0]
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: seen.append((type(mod).__name__, i[0].dtype, o.dtype)))
+             for m in tr.model.modules() if type(m).__name__ in ("Block", "LayerNorm")]
+    try:
+        tr.update([b], tr.model)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and all(i == o == torch.bfloat16 for _, i, o in seen), set(seen)
+
+
 def test_the_fused_adamw_skip_decides_as_the_cpu(tiny_cache, tmp_path):
     """A spiked and a NaN loss on CUDA leave weights, EMA target and AdamW state bit-identical
     (fused AdamW's found_inf), as the CPU run of the same code does."""

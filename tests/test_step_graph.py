@@ -113,3 +113,140 @@ def test_the_ema_update_is_exact_on_a_skip_and_a_lerp_otherwise():
     pretrain.ema_update(target, online, torch.tensor(0.99))
     for b, o, t in zip(before, online.parameters(), target.parameters()):
         torch.testing.assert_close(t, torch.lerp(b, o, 0.01), rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- one graph
+class Captured(Exception):
+    """Raised by the recording backend: dynamo traced the whole function as one graph."""
+
+
+def capture_backend(gm, example_inputs):
+    raise Captured(len(list(gm.graph.nodes)))
+
+
+def one_graph_nodes(fn, *args) -> int:
+    """Trace `fn(*args)` with dynamo as one graph (fullgraph: any break raises) and stop there: the
+    backend records the graph and raises, so nothing is compiled or run (ViT-B at the production
+    crop traces on fake tensors in seconds). Returns the graph's node count."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=capture_backend, fullgraph=True)(*args)
+    except Exception as exc:  # the backend's Captured arrives wrapped by dynamo
+        cause = exc
+        while cause is not None and not isinstance(cause, Captured):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return cause.args[0]
+    finally:
+        torch._dynamo.reset()
+    raise AssertionError("the backend was never called")
+
+
+def model_step(config_path: str, batch: int = 1):
+    """(step function, its arguments) for a config's student and target at its crop: normalise
+    the uint8 batch, the EMA encoder's targets and the student's loss over every mask set, under
+    bf16 autocast (as on CUDA), on random mask ids of the calibrated fixed sizes."""
+    from train import masks
+    from train.model import JEPA, Encoder
+
+    cfg = config.load(TrainConfig, config_path)
+    torch.manual_seed(0)
+    grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+    student = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
+    target = Encoder(cfg.model, cfg.data.input_shape).requires_grad_(False)
+    pairs = [(torch.randint(0, grid.tokens, (batch, s.context_cells * grid.depth), dtype=torch.int32),
+              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32), None)
+             for s in masks.calibrate(grid, cfg.mask, seed=0)]
+    x = torch.randint(0, 256, (batch, 1, *cfg.data.input_shape), dtype=torch.uint8)
+    aug = torch.tensor([[1.0, 0.0]] * batch)
+
+    def step(x_u8, aug, pairs):
+        x = data.normalize(x_u8, aug)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return student(x, pairs, target_features(target, x))
+
+    return step, (x, aug, pairs)
+
+
+@pytest.fixture
+def routed_as_cuda(monkeypatch):
+    """`attend` takes the CUDA route (SDPA limited to the fused kernels, set once per process);
+    the process's SDPA flags are put back after."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends, _sdpa_kernel
+
+    saved, order = _cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order()
+    monkeypatch.setattr(attention, "kernel_for", lambda *a: attention.SDPA_FUSED)
+    attention.use_fused_kernels()
+    yield
+    _sdpa_kernel(saved)
+    torch._C._set_sdp_priority_order(order)
+    attention._FUSED_ONLY = False
+
+
+@pytest.mark.parametrize("config_path", ["configs/pretrain_check_gpu.yaml", "configs/pretrain_multi_domain.yaml"])
+def test_the_step_traces_as_one_graph(config_path, routed_as_cuda):
+    """Encoder, predictor, targets and loss in one dynamo graph, no break, at the GPU-size check's
+    and the production config's shapes: what `compile: true` compiles."""
+    step, args = model_step(config_path)
+    assert one_graph_nodes(step, *args) > 100
+
+
+def test_a_graph_break_is_caught(routed_as_cuda):
+    """The tracer above fails on a break (a host read inside the step), so it can fail."""
+    step, args = model_step("configs/pretrain_check_gpu.yaml")
+
+    def broken(*a):
+        loss = step(*a)
+        if float(loss) > 0:  # reads the loss on the host: dynamo must break the graph here
+            loss = loss * 1.0
+        return loss
+
+    with pytest.raises(Exception, match="(?i)graph break|unsupported|data-dependent|item"):
+        one_graph_nodes(broken, *args)
+
+
+# ----------------------------------------------------------------------------- bf16
+def test_the_residual_stream_and_the_norms_stay_bf16_under_autocast():
+    """Under bf16 autocast every block reads and writes bf16 and every LayerNorm returns bf16: a
+    float32 position table added to the tokens made the whole stream float32 (each norm then ran
+    in float32 and each Linear first cast its input). CPU autocast leaves a bf16 norm in bf16
+    anyway; CUDA's runs norms in float32, which tests/test_cuda.py checks the model avoids there."""
+    from train.model import LayerNorm
+
+    step, (x, aug, pairs) = model_step("configs/pretrain_check_gpu.yaml", batch=2)
+    student = step.__closure__[[c.cell_contents.__class__.__name__ for c in step.__closure__].index("JEPA")].cell_contents
+    seen = []
+
+    def record(mod, inputs, out):
+        seen.append((type(mod).__name__, inputs[0].dtype, out.dtype))
+
+    hooks = [m.register_forward_hook(record) for m in student.modules() if type(m).__name__ in ("Block", "LayerNorm")]
+    assert any(isinstance(m, LayerNorm) for m in student.modules())
+    try:
+        loss = step(x, aug, pairs)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and all(i == o == torch.bfloat16 for _, i, o in seen), set(seen)
+    assert loss.dtype == torch.float32  # the loss itself is reduced in float32
+
+
+def test_the_bf16_step_stays_close_to_float32(tiny_cache, tmp_path):
+    """The same weights and batch: the bf16 loss and gradients agree with float32's within bf16's
+    precision (a residual stream or norm in the wrong dtype would not break this; an arithmetic
+    error would)."""
+    eager = {}
+    for precision in ("fp32", "bf16"):
+        tr = _trainer(tiny_cache, tmp_path / precision, precision=precision)
+        b = _batches(tr, 1)[0]
+        x = data.normalize(b["x"], b["aug"])
+        with tr.rt.autocast():
+            loss = tr.model(x, data.mask_pairs(b), target_features(tr.target, x))
+        loss.backward()
+        eager[precision] = (float(loss.detach()), torch.cat([p.grad.flatten() for p in tr.model.parameters()]))
+    (l32, g32), (l16, g16) = eager["fp32"], eager["bf16"]
+    assert abs(l16 - l32) <= 0.02 * abs(l32)
+    assert float((g16 - g32).norm() / g32.norm()) <= 0.05

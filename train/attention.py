@@ -5,12 +5,12 @@ The kernel is chosen by where the tensors live, so model code never names a back
 - TPU (torch_xla): the Pallas flash-attention kernel of torch_xla. Its memory is linear in the
   sequence; XLA's own lowering of SDPA is the math path, which materialises [B, H, N, N]
   scores (11 GB per predictor layer at the production config: docs/accelerators.md).
-- CUDA: SDPA restricted to its flash and memory-efficient kernels. The math kernel is never
-  allowed: where neither applies the call fails and says so, instead of silently running out of
-  memory at ViT-B shapes. cuDNN's attention joins them only with OCTFM_SDPA_CUDNN=1: it builds
-  a graph per new shape at its first call (public reports: hundreds of ms to seconds each on
-  Hopper), and the first H200 run spent 97 s before its first step, and at least 95 s again with an
-  eighth of the volumes (docs/accelerators.md); `make device-check`'s check section times it both ways.
+- CUDA: SDPA restricted to its flash and memory-efficient kernels, set once per process
+  (`use_fused_kernels`), not per call. The math kernel is never allowed: where neither applies
+  the call fails and says so, instead of silently running out of memory at ViT-B shapes. With
+  OCTFM_SDPA_CUDNN=1 cuDNN's attention comes first: it builds a graph per new shape at its first
+  call (public reports: hundreds of ms to seconds each on Hopper); `make device-check` times the
+  production and check steps both ways, and the default follows what the card shows.
 - CPU, and torch_xla on its CPU backend (the test lane): SDPA as PyTorch chooses (its CPU flash
   kernel without a mask, the math path with one).
 
@@ -73,26 +73,49 @@ def sdpa(q, k, v, keep=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
 
 
-CUDNN_ENV = "OCTFM_SDPA_CUDNN"  # "1": cuDNN attention may serve the CUDA calls too
+CUDNN_ENV = "OCTFM_SDPA_CUDNN"  # "1": cuDNN attention first, then flash and memory-efficient
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_backends() -> tuple:
-    """The SDPA kernels a CUDA call may use: flash and memory-efficient; cuDNN's too when
-    OCTFM_SDPA_CUDNN=1 (read once per process)."""
+    """The SDPA kernels a CUDA call may use, in priority order: flash and memory-efficient;
+    cuDNN's first when OCTFM_SDPA_CUDNN=1 (read once per process)."""
     from torch.nn.attention import SDPBackend
 
     chosen = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     if os.environ.get(CUDNN_ENV) == "1":
-        chosen.append(SDPBackend.CUDNN_ATTENTION)
+        chosen.insert(0, SDPBackend.CUDNN_ATTENTION)
     return tuple(chosen)
 
 
-def sdpa_fused(q, k, v, keep=None):
-    from torch.nn.attention import sdpa_kernel
+_FUSED_ONLY = False  # whether use_fused_kernels has set this process's SDPA backends
 
-    with sdpa_kernel(list(cuda_backends())):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+
+def use_fused_kernels() -> None:
+    """Restrict SDPA to `cuda_backends()`, in that order, for the whole process: set once,
+    outside traced code (runtime.setup on CUDA, or the first fused call). A context entered
+    around every call cost host time on each of a step's ~100 attention calls and was traced
+    into every compiled graph. SDPA's dispatcher then picks, per shape, the first allowed kernel
+    that takes it (flash without a mask, memory-efficient with one); the math kernel is never
+    allowed, so a shape none takes fails loudly instead of running out of memory at ViT-B sizes."""
+    global _FUSED_ONLY
+    from torch.nn.attention import SDPBackend
+
+    chosen = cuda_backends()
+    torch.backends.cuda.enable_math_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(SDPBackend.FLASH_ATTENTION in chosen)
+    torch.backends.cuda.enable_mem_efficient_sdp(SDPBackend.EFFICIENT_ATTENTION in chosen)
+    torch.backends.cuda.enable_cudnn_sdp(SDPBackend.CUDNN_ATTENTION in chosen)
+    if hasattr(torch._C, "_set_sdp_priority_order"):  # the order sdpa_kernel(..., set_priority=True) sets
+        order = [int(b) for b in chosen]
+        torch._C._set_sdp_priority_order(order + [b for b in torch._C._get_sdp_priority_order() if b not in order])
+    _FUSED_ONLY = True
+
+
+def sdpa_fused(q, k, v, keep=None):
+    if not _FUSED_ONLY:  # set once; a compiled graph sees the branch resolved
+        use_fused_kernels()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
 
 
 def pallas_length(n: int) -> int:

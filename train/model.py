@@ -55,6 +55,27 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[-1])
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that keeps a low-precision input in its precision under autocast. CUDA's
+    autocast runs every layer norm in float32 and returns float32, which the next Linear casts
+    back to bf16: two casts per norm, and a float32 residual stream for whatever adds to the
+    output. Here the kernel reads and writes bf16 (its statistics are float32 inside), with the
+    weights cast to the input's dtype. float32 inputs, and XLA (whose autocast has its own
+    lowering), take nn.LayerNorm's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or x.device.type == "xla":
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+def to_stream(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` (a float32 position table's rows, a learned token) in the dtype of the residual stream
+    it joins, `like`: added as float32 it would promote the whole stream to float32 under autocast."""
+    return t.to(like.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -73,9 +94,9 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_ratio: float):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = LayerNorm(dim)
         self.attn = Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = LayerNorm(dim)
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
         self.drop_path = 0.0  # stochastic depth while training (fine-tuning sets it: set_drop_path)
@@ -159,7 +180,7 @@ class Encoder(nn.Module):
         self.pooling = cfg.pool
         self.register_buffer("pos", sincos_3d(self.grid, cfg.dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.dim)
+        self.norm = LayerNorm(cfg.dim)
         self.apply(_init_weights)
         w = self.patch.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -189,7 +210,7 @@ class Encoder(nn.Module):
         if self.peak is not None:
             peaks = F.max_pool3d(s, self.patch.kernel_size).flatten(2).transpose(1, 2)  # [B, N, C]
             t = t + F.linear(peaks, self.peak.weight.flatten(1), self.peak.bias)
-        return t + self.pos
+        return t + to_stream(self.pos, t)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         return self.transform(self.tokenize(x), idx, valid)
@@ -213,7 +234,7 @@ class Predictor(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.pred_dim))
         self.register_buffer("pos", sincos_3d(tuple(grid), cfg.pred_dim), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg.pred_dim, cfg.pred_heads, cfg.mlp_ratio) for _ in range(cfg.pred_depth))
-        self.norm = nn.LayerNorm(cfg.pred_dim)
+        self.norm = LayerNorm(cfg.pred_dim)
         self.out = nn.Linear(cfg.pred_dim, cfg.dim)
         self.apply(_init_weights)
         nn.init.trunc_normal_(self.mask_token, std=0.02)
@@ -223,8 +244,9 @@ class Predictor(nn.Module):
         """Predictions at the target positions; with `with_context`, at the context positions
         first and then the targets (one sequence: the context term costs only its output rows)."""
         b = ctx.shape[0]
-        c = self.embed(ctx) + gather_rows(self.pos, ctx_idx)
-        m = self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_rows(self.pos, tgt_idx)
+        c = self.embed(ctx)
+        c = c + to_stream(gather_rows(self.pos, ctx_idx), c)
+        m = to_stream(self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_rows(self.pos, tgt_idx), c)
         x = torch.cat([c, m], dim=1)
         keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:

@@ -207,6 +207,9 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
             raise ConfigError("device: cuda was asked for but no CUDA device is visible")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        from train import attention
+
+        attention.use_fused_kernels()  # once per process, before any step is traced or run
         bf16 = precision == "bf16" and torch.cuda.is_bf16_supported()
         if world > 1:
             dist.init_process_group("nccl")
