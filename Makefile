@@ -31,6 +31,7 @@ shard_flag  = $(if $(SHARD),--shard $(SHARD)) $(if $(SHARDS),--shards $(SHARDS))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
+local_cache = $(if $(filter command line environment,$(origin LOCAL)),data.cache=$(LOCAL))
 # one process, or torchrun with NPROC processes (DDP: gloo on CPU, nccl on CUDA); XLA runs one process per host
 launch      = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --nproc_per_node $(NPROC),$(PY))
 
@@ -59,7 +60,7 @@ help:
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
 	@echo "make expand SOURCE=<zipped dataset root> DST=<folder or gs://...> [STRICT=1]"
 	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
-	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=2]"
+	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [LOCAL=<staged cache>] [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=8]"
 	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
 	@echo "make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS='task=diabetic label_fraction=0.1'] [NPROC=2]"
 	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
@@ -69,11 +70,15 @@ help:
 
 venv: $(STAMP)
 
-# torch first, pinned to the CPU build this machine carries; pyproject only says torch>=2.9.
+# torch first, pinned; pyproject only says torch>=2.9. From PyPI on Linux x86-64 this is a CUDA build (a GPU
+# node needs nothing more); where a CPU build lies on disk (CI) pip takes that. TORCH_INDEX=<wheel index URL> picks
+# another build, e.g. https://download.pytorch.org/whl/cu130 for CUDA 13 or .../whl/cpu for a CPU-only machine.
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
@@ -211,8 +216,9 @@ export: need-export $(STAMP)
 embed: need-embed $(STAMP)
 	$(PY) -m evals.embed --ckpt $(CKPT) $(if $(filter command line environment,$(origin CACHE)),--cache $(CACHE)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
+# LOCAL, when given (command line or environment), is the run's cache: the folder `make stage LOCAL=...` filled
 pretrain: need-pretrain $(STAMP)
-	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(ARGS)
+	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(local_cache) $(ARGS)
 
 # Usage checks run before the venv is made: a missing variable is answered at once, on any checkout.
 need-export:

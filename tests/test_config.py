@@ -92,3 +92,26 @@ def test_shipped_configs_are_the_defaults():
         yaml_cfg, default = config.to_dict(config.load(cls, path)), config.to_dict(config.load(cls, None))
         drop = lambda d: {k: v for k, v in d.items() if k not in own}  # noqa: E731
         assert drop(yaml_cfg) == drop(default), path
+
+
+def test_the_production_cache_is_set_per_machine_by_one_variable():
+    """The production configs read the folder `make stage` fills by default (its LOCAL), and
+    `make pretrain LOCAL=<disk>` points a run at a cache staged elsewhere (the TPU VM's read-only
+    disk, a GPU node's NVMe): one variable for both recipes, no machine's path baked in."""
+    import os
+    import re
+    import subprocess
+
+    from conftest import REPO
+    from train.config import TrainConfig
+
+    default = re.search(r"^LOCAL\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    for name in ("pretrain_multi_domain", "pretrain_single_domain"):
+        assert config.load(TrainConfig, REPO / "configs" / f"{name}.yaml").data.cache == default
+    cmd = ["make", "-n", "-s", "pretrain", "CONFIG=configs/pretrain_multi_domain.yaml"]
+    with_local = subprocess.run([*cmd, "LOCAL=/mnt/nvme/octfm-cache", "ARGS=max_steps=5"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60).stdout.splitlines()[-1]
+    assert with_local.endswith("data.cache=/mnt/nvme/octfm-cache max_steps=5")  # ARGS still have the last word
+    plain = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "LOCAL"}).stdout.splitlines()[-1]
+    assert "train.pretrain" in plain and "data.cache" not in plain
