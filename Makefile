@@ -51,7 +51,7 @@ help:
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make plan CONFIG=... ACCEL=tpu-v4|tpu-v5e|tpu-v5p|h100|h200 [CHIPS=N]   per-chip memory: does it fit, the largest batch"
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
-	@echo "make device-check OUT=<folder>   on a lent H100/H200: CUDA tests, step MFU, vjepa2 beside us, the loader"
+	@echo "make device-check OUT=<folder>   on a lent H100/H200: the ViT-B step (eager, compiled, cuDNN, pred_heads 6), vjepa2 beside it, the check step, a real run, CUDA tests"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000']: pretrained vs random-init"
 	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--reference-fraction 0.1']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"

@@ -2,23 +2,24 @@
 
 Run on the device machine (python3 with PyTorch and CUDA; the packages its image lacks come as
 wheels from `make wheelhouse`, installed by the Makefile into a temporary site folder, no
-network). In a few minutes from a bare machine it writes `device_check.json` and
-`device_check.md` into OUT (after every section, so a run cut short keeps what it measured):
+network). It writes `device_check.json` and `device_check.md` into OUT after every section, so a
+call cut short keeps what it measured. Sections, in the order issue 62 gives them (the production
+step first; each later one runs only while `--budget-s` leaves it the time it needs):
 
-- environment: the card, torch and CUDA, the measured bf16 matmul rate beside the datasheet's;
-- cuda tests: `pytest -m cuda` (tests/test_cuda.py);
-- train: the smoke, ViT-S and ViT-B (production) steps in bf16: ms per step, tokens/s, model FLOPs
-  per step (torch.utils.flop_counter), MFU against the card's bf16 peak, peak memory; ViT-B at the
-  largest batch `make plan` says fits (halved on an out-of-memory);
-- check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml at its
-  batch, 256; eager, eager at twice the batch, compiled, eager with cuDNN attention allowed), each
-  profiled, and what the check's 1,850 x 256 samples take at it;
+- environment: the card, torch and CUDA, the measured bf16 matmul rate (what MFU divides by);
+- production: the ViT-B step of configs/pretrain_multi_domain.yaml at its batch, bf16: eager,
+  compiled, with cuDNN attention first, and with `model.pred_heads=6` (head dim 64); each with ms
+  per step, model FLOPs (torch.utils.flop_counter, on the eager step), MFU, the GPU's busy share
+  (torch.profiler), and the peak memory beside `make plan`'s figure;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
-- loader: the production loader with the default workers at the production crop, volumes per second
-  against what the ViT-B step consumes, and the data-wait share of a real `make pretrain` run.
+- check: the GPU-size learning check's pretraining step (configs/pretrain_check_gpu.yaml, batch
+  256), eager and compiled, each profiled;
+- run: a real `make pretrain` of the production config on a cache of the production shape, with
+  the default loader workers and the volumes read from disk, and its data-wait share;
+- cuda_tests: `pytest -m cuda` (tests/test_cuda.py).
 
-`--dry-run` runs the same code on the CPU at tiny sizes (make test runs it, so it cannot rot).
+`--dry-run` runs the same code on the CPU at tiny sizes (the heavy test lane runs it).
 """
 from __future__ import annotations
 
@@ -40,13 +41,12 @@ from bench import verdict
 from octfm import cli
 
 PRODUCTION = "configs/pretrain_multi_domain.yaml"
-SMOKE = "configs/pretrain_smoke.yaml"
 CHECK = "configs/pretrain_check_gpu.yaml"  # the learning check at GPU size (make learning-check-device)
-MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET = 0.40, 1.5, 0.05
+# issue 62's targets: MFU against the measured bf16 matmul rate, octfm / vjepa2 at equal work, the data wait of a
+# real run, the check's step at batch 256, and make plan's peak against the measured one
+MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET, CHECK_STEP_TARGET_S, PLAN_TOLERANCE = 0.40, 1.5, 0.05, 0.060, 0.10
 CHECK_TARGET_S = 360  # issue 41: the GPU-size learning check from a bare machine
 DATASHEET_BF16_TFLOPS = {"h100": 989.0, "h200": 989.0}  # dense, SXM (train/plan.py ACCELERATORS)
-VIT_S = ["model.dim=384", "model.depth=12", "model.heads=6", "model.pred_dim=192", "model.pred_depth=6",
-         "model.pred_heads=6"]
 TINY = ["model.dim=32", "model.depth=2", "model.heads=2", "model.pred_dim=16", "model.pred_depth=1",
         "model.pred_heads=2"]
 NO_STEM = ["model.stem=[]", "model.stem_pool=none", "model.pool=mean", "loss.local=0"]  # what vjepa2 computes
@@ -61,20 +61,33 @@ class Sizes:
         self.crop = [16, 64, 64] if dry else [64, 384, 384]
         self.participants = 6 if dry else 24
         self.scale = 16 if dry else 2
-        # name -> (config, overrides, crop, batch or None for the plan's largest, timed steps)
-        self.train = {
-            "smoke": (SMOKE, [], [32, 96, 96], 4, 20),
-            "vit_s": (PRODUCTION, VIT_S, self.crop, None, 10),
-            "vit_b": (PRODUCTION, [], self.crop, None, 10),
-        }
-        if dry:  # one size: the three run the same code
-            self.train = {"vit_b": (PRODUCTION, TINY, self.crop, None, 2)}
+        self.production = TINY if dry else []       # overrides on the production config
+        self.batch = 2 if dry else None            # None: the config's (16 per process)
+        self.steps = 2 if dry else 5               # timed steps per round (three rounds), then as many profiled
         # the GPU-size learning check's step (configs/pretrain_check_gpu.yaml): config, overrides, crop, batch, steps
         self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 256, 2 if dry else 10)
-        self.check_participants = 12 if dry else 400  # about 640 train volumes: more than a batch of twice 256
-        self.batch_cap = 2 if dry else 64
-        self.loader_batches = 4 if dry else 30
-        self.run_steps = 4 if dry else 40
+        self.check_participants = 12 if dry else 400  # about 640 train volumes: more than a batch of 256
+        self.run_steps = 8 if dry else 200
+
+    def seconds(self, needed: float) -> float:
+        """A section's or variant's time need, scaled down for the dry run's tiny sizes."""
+        return needed / 20 if self.dry else needed
+
+    def production_variants(self) -> dict:
+        """name -> (overrides, environment, compiled, seconds of budget it needs to start)."""
+        from train import attention
+
+        return {
+            "eager": ([], {}, False, 0),
+            "compiled": ([], {}, True, self.seconds(150)),  # inductor compiles the ViT-B step: a minute or two
+            "cudnn_attention": ([], {attention.CUDNN_ENV: "1"}, False, self.seconds(45)),
+            # the predictor's head dim 64 (384 / 6) instead of 32; the dry run's 16-wide predictor: 16
+            "pred_heads_6": ([f"model.pred_heads={1 if self.dry else 6}"], {}, False, self.seconds(45)),
+        }
+
+
+# sections after `environment`, in order: the budget each needs left to start (the production step always runs)
+SECTION_NEEDS = {"production": 0, "reference": 60, "check": 60, "run": 90, "cuda_tests": 90}
 
 
 def accelerator(name: str) -> str | None:
@@ -171,8 +184,13 @@ def sync():
 if rt.kind == "cuda":
     torch.cuda.reset_peak_memory_stats()
 t = time.perf_counter()
-with FlopCounterMode(display=False) as fc:
+if cfg.compile:  # compiled: the eager step's count stands (the parent copies it); a dispatch mode would retrace
     tr.update([batches[0]], net)
+    flops = None
+else:
+    with FlopCounterMode(display=False) as fc:
+        tr.update([batches[0]], net)
+    flops = fc.get_total_flops()
 sync()
 first = time.perf_counter() - t
 for i in range(3):
@@ -185,7 +203,7 @@ for r in range(3):
     sync(); rounds.append((time.perf_counter() - t) / {steps})
 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if rt.kind == "cuda" else None
 print(json.dumps({{"step_s": statistics.median(rounds), "rounds_s": rounds, "first_step_s": first,
-                  "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": fc.get_total_flops(),
+                  "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": flops,
                   "peak_gib": peak, "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
                   "compile": cfg.compile}}), flush=True)  # the timing is kept if the profiling below fails
 if {profile}:
@@ -238,8 +256,9 @@ def profile_summary(events, steps: int, cuda: bool, top: int = 12) -> dict:
 
 
 def time_limit(ctx: dict) -> float:
-    """A subprocess's time limit: what the budget leaves, and at least 4 minutes (the check ends)."""
-    return max(240.0, ctx["left"]())
+    """A subprocess's time limit: what the budget leaves, and at least a minute (the section ends;
+    the production step's eager variant, which always runs, gets four)."""
+    return max(240.0 if "production" not in ctx["results"] else 60.0, ctx["left"]())
 
 
 def run_json(code: str, timeout: float, env: dict | None = None) -> dict:
@@ -264,62 +283,79 @@ def run_json(code: str, timeout: float, env: dict | None = None) -> dict:
     return merged
 
 
-def plan_batch(config_path: str, overrides: list[str], accel: str | None, cap: int) -> int:
+def plan_peak_gib(config_path: str, overrides: list[str], accel: str | None) -> float:
+    """`make plan`'s peak per chip for this config at its batch (one process per GPU)."""
     from octfm import config
     from train import plan
     from train.config import TrainConfig
 
-    cfg = config.load(TrainConfig, config_path, overrides)
-    return max(1, min(cap, plan.make_plan(cfg, accel or "h100", 1).largest_batch))
+    return plan.make_plan(config.load(TrainConfig, config_path, overrides), accel or "h100", 1).peak_gib
 
 
 def shape_arg(crop) -> str:
     return "data.input_shape=[" + ",".join(map(str, crop)) + "]"
 
 
-def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop, batch: int, steps: int,
+def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop, batch: int | None, steps: int,
               compile_: bool = False, cache: Path | None = None, env: dict | None = None,
-              profile: bool = False) -> dict:
-    """One config's step on the device; on an out-of-memory the batch is halved and tried again.
-    `profile`: then `steps` more steps under torch.profiler (profile_summary), after the timing."""
+              profile: bool = False, flops: float | None = None) -> dict:
+    """One config's step on the device (batch None: the config's). `profile`: then `steps` more
+    steps under torch.profiler (profile_summary), after the timing. A compiled step takes its
+    FLOPs from the eager one (`flops`). Beside the measured peak memory, `make plan`'s."""
     s = ctx["sizes"]
     base = [f"data.cache={cache or make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"name=bench_{name}",
             f"device={s.device}", "precision=bf16", "data.workers=0", "wandb.enabled=false", "data.stride=[1,1,1]",
-            shape_arg(crop)]
-    while True:
-        over = base + overrides + [f"batch_size={batch}", f"compile={'true' if compile_ else 'false'}"]
-        try:
-            r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps, profile=profile),
-                         timeout=time_limit(ctx),
-                         env=env)
-            break
-        except RuntimeError as exc:
-            if "out of memory" not in str(exc).lower() or batch == 1:
-                raise
-            batch //= 2
-    peak = (ctx["env"].get("datasheet_bf16_tflops") or ctx["env"]["matmul_bf16_tflops"]) * 1e12
+            "data.resident=never", shape_arg(crop)]
+    over = base + overrides + ([f"batch_size={batch}"] if batch else []) + [f"compile={'true' if compile_ else 'false'}"]
+    r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps, profile=profile),
+                 timeout=time_limit(ctx), env=env)
+    r["flops_per_step"] = r["flops_per_step"] or flops
+    r["plan_peak_gib"] = plan_peak_gib(config_path, over, ctx["env"].get("accel"))
+    if r.get("peak_gib"):
+        r["peak_over_plan"] = r["peak_gib"] / r["plan_peak_gib"]
+    measured = ctx["env"]["matmul_bf16_tflops"] * 1e12
     r["tokens_per_s"] = r["batch"] * r["tokens"] / r["step_s"]
-    r["achieved_tflops"] = r["flops_per_step"] / r["step_s"] / 1e12
-    r["mfu"] = r["flops_per_step"] / r["step_s"] / peak
-    r["mfu_of_measured_matmul"] = r["flops_per_step"] / r["step_s"] / (ctx["env"]["matmul_bf16_tflops"] * 1e12)
+    if r["flops_per_step"]:
+        r["achieved_tflops"] = r["flops_per_step"] / r["step_s"] / 1e12
+        r["mfu"] = r["flops_per_step"] / r["step_s"] / measured  # against the bf16 matmul rate measured on this card
+        if ctx["env"].get("datasheet_bf16_tflops"):
+            r["mfu_of_datasheet"] = r["flops_per_step"] / r["step_s"] / (ctx["env"]["datasheet_bf16_tflops"] * 1e12)
     if r.get("profile_device_ms_per_step") is not None:
         r["gpu_busy_frac"] = r["profile_device_ms_per_step"] / 1e3 / r["step_s"]
     return r
 
 
-def train_steps(ctx: dict) -> dict:
-    s = ctx["sizes"]
+def variants(ctx: dict, section: str, todo: dict, run) -> dict:
+    """Run `todo`'s variants in order (name -> (..., seconds of budget needed)), each only with
+    the budget it needs left, writing the results after each; a failed variant is recorded and
+    the next one still runs."""
     out = {}
-    for name, (path, over, crop, batch, steps) in s.train.items():
-        b = batch or plan_batch(path, over + [shape_arg(crop)], ctx["env"]["accel"], s.batch_cap)
-        out[name] = step_size(ctx, name, path, over, crop, b, steps, profile=name == "vit_b")
-        write_results(ctx, "train", out)
-    if ctx["left"]() > (60 if s.dry else 150):  # torch.compile of ViT-B takes a minute or more
-        path, over, crop, _, steps = s.train["vit_b"]
-        out["vit_b_compiled"] = step_size(ctx, "vit_b_compiled", path, over, crop, out["vit_b"]["batch"], steps,
-                                          compile_=True)
-    ctx["train"] = out
+    for name, spec in todo.items():
+        left = ctx["left"]() if spec[-1] else None
+        if spec[-1] and left < spec[-1]:
+            out[name] = {"skipped": f"{spec[-1]:.0f} s of budget needed, {left:.0f} s left"}
+            continue
+        try:
+            out[name] = run(name, spec, out)
+        except Exception as exc:  # noqa: BLE001 - one variant's failure (an out-of-memory, say) is reported
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
+        write_results(ctx, section, out)
     return out
+
+
+def production(ctx: dict) -> dict:
+    """The ViT-B production step at its config's batch: eager, compiled, cuDNN attention first, and
+    the predictor at head dim 64, each profiled."""
+    s = ctx["sizes"]
+
+    def one(name, spec, done):
+        over, env, compiled, _ = spec
+        eager = done.get("eager", {})
+        return step_size(ctx, f"production_{name}", PRODUCTION, s.production + over, s.crop, s.batch, s.steps,
+                         compile_=compiled, env=env, profile=True,
+                         flops=eager.get("flops_per_step") if not over else None)
+
+    return variants(ctx, "production", s.production_variants(), one)
 
 
 def reference(ctx: dict) -> dict:
@@ -330,17 +366,17 @@ def reference(ctx: dict) -> dict:
         return {"skipped": f"no vjepa2 checkout at {src} (make wheelhouse VJEPA2_SRC=<checkout> copies one there)"}
     reference_bench.check_checkout(src)
     s = ctx["sizes"]
-    batch = 2 if s.dry else max(1, ctx.get("train", {}).get("vit_b", {}).get("batch", 8) // 2)
+    batch = 2 if s.dry else 8  # both steps at the production crop without the stem and local term: vjepa2's work
     base = [f"data.cache={make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"device={s.device}",
-            "data.workers=0", "wandb.enabled=false", f"batch_size={batch}",
+            "data.workers=0", "wandb.enabled=false", "data.resident=never", f"batch_size={batch}",
             shape_arg(s.crop), *NO_STEM, *(TINY if s.dry else [])]
-    variants = {"octfm bf16": ["precision=bf16"]}
-    if not s.dry and ctx["left"]() > 200:
-        variants["octfm bf16 compiled"] = ["precision=bf16", "compile=true"]
+    contenders = {"octfm bf16": ["precision=bf16"]}
+    if ctx["left"]() > s.seconds(200):
+        contenders["octfm bf16 compiled"] = ["precision=bf16", "compile=true"]
     shim = reference_bench.timm_shim(ctx["work"])
-    res = reference_bench.measure_steps(src, shim, PRODUCTION, base, device=s.device, variants=variants,
-                                  references={"vjepa2 bf16": True}, warmup=2 if s.dry else 3,
-                                  rounds=2 if s.dry else 5, steps=2 if s.dry else 5)
+    res = reference_bench.measure_steps(src, shim, PRODUCTION, base, device=s.device, variants=contenders,
+                                        references={"vjepa2 bf16": True}, warmup=2 if s.dry else 3,
+                                        rounds=2 if s.dry else 5, steps=2 if s.dry else 5)
     size = (f"{'tiny (dry run)' if s.dry else 'ViT-B (configs/pretrain_multi_domain.yaml, no stem, no local term)'}, "
             f"{'x'.join(map(str, s.crop))}, batch {batch}")
     res, lines = reference_bench.summarise(res, src, shim, size, precision="bf16")
@@ -362,85 +398,57 @@ def check_cache(ctx: dict) -> Path:
 
 
 def check_step(ctx: dict) -> dict:
-    """The GPU-size learning check's pretraining step at its batch, eager, then with time left at
-    twice the batch (whether a step's cost is per dispatch or per sample: if the host sets the
-    pace, a sample costs about half as much), compiled, and eager with cuDNN attention allowed (its
-    first step against the default's: the lead for the first H200 run's 97 s, train/attention.py),
-    each with what the check's `max_steps` x `batch_size` samples take at that step: the check's
-    largest stage (issue 41's six minutes)."""
+    """The GPU-size learning check's pretraining step at its batch (256), eager and compiled, each
+    profiled, with what the check's `max_steps` x `batch_size` samples take at that step."""
     from octfm import config
-    from train import attention
     from train.config import TrainConfig
 
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
     recipe = config.load(TrainConfig, path)
     samples = recipe.max_steps * recipe.batch_size  # what the check's pretraining trains on
-    out = {}
-    off, on = {attention.CUDNN_ENV: "0"}, {attention.CUDNN_ENV: "1"}
-    # name: (compiled, environment, batch, seconds left it needs: 0 always runs; inductor takes a minute or so)
-    variants = {"eager": (False, off, batch, 0), "eager_double_batch": (False, off, 2 * batch, 60),
-                "compiled": (True, off, batch, 150), "eager_cudnn_attention": (False, on, batch, 90)}
-    for name, (compiled, env, b, needs) in variants.items():
-        if needs and ctx["left"]() < (needs / 5 if s.dry else needs):
-            continue
-        r = step_size(ctx, f"check_{name}", path, over, crop, b, steps, compile_=compiled, cache=check_cache(ctx),
-                      env=env, profile=True)
+
+    def one(name, spec, done):
+        r = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=spec[0], cache=check_cache(ctx),
+                      profile=True, flops=done.get("eager", {}).get("flops_per_step"))
         r["steps_for_the_check"] = -(-samples // r["batch"])  # the same samples as the recipe's steps
         r["pretrain_s"] = r["step_s"] * r["steps_for_the_check"]
-        out[name] = r
-        write_results(ctx, "check", out)
-    return out
+        return r
+
+    return variants(ctx, "check", {"eager": (False, 0), "compiled": (True, s.seconds(120))}, one)
 
 
-def loader(ctx: dict) -> dict:
-    """The production loader (default workers, random-resized crop) alone, then a real run."""
+def real_run(ctx: dict) -> dict:
+    """A real `make pretrain` of the production config on the device, on a cache of the production
+    shape, with the default loader workers and the volumes read from disk (data.resident=never: a
+    real AI-READI cache is far larger than the card), for its data-wait share after the first interval."""
     from octfm import config
-    from train import data, pretrain, runtime
+    from train import data
     from train.config import TrainConfig
 
     s = ctx["sizes"]
-    vit_b = ctx.get("train", {}).get("vit_b", {})
-    batch = vit_b.get("batch", 2)
-    over = [f"data.cache={make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", "device=cpu", "precision=fp32",
-            f"batch_size={batch}", shape_arg(s.crop), "wandb.enabled=false",
-            *(TINY if s.dry else [])]
-    cfg = config.load(TrainConfig, PRODUCTION, over)
-    workers = data.loader_workers(cfg.data.workers)
-    out = {"workers": workers, "batch": batch}
-    if not s.dry:  # the loader alone (the dry run keeps to the real run below: a worker's start is seconds on 2 cores)
-        tr = pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
-        _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
-        it = iter(dl)
-        for _ in range(2):
-            next(it)
-        t = time.perf_counter()
-        for _ in range(s.loader_batches):
-            next(it)
-        out["volumes_per_s"] = s.loader_batches * batch / (time.perf_counter() - t)
-        del it, dl
-    if vit_b.get("step_s"):
-        out["step_consumes_volumes_per_s"] = batch / vit_b["step_s"]
-    # a real run of the production config on the device with the default workers
     run = ctx["work"] / "runs"
+    steps = s.run_steps
     args = [sys.executable, "-m", "train.pretrain", "--config", PRODUCTION, "--no-progress", f"device={s.device}",
-            f"data.cache={make_cache(ctx)}", f"runs_dir={run}", "name=device_run", f"batch_size={batch}",
-            shape_arg(s.crop), f"max_steps={s.run_steps}",
-            f"log_every={max(1, s.run_steps // 4)}", "val_every=0", "eval_every=0", f"ckpt_every={s.run_steps}",
-            "wandb.enabled=false", *(TINY if s.dry else [])]
+            f"data.cache={make_cache(ctx)}", f"runs_dir={run}", "name=device_run", "data.resident=never",
+            shape_arg(s.crop), f"max_steps={steps}", f"log_every={max(1, steps // 10)}", "val_every=0", "eval_every=0",
+            f"ckpt_every={steps}", "wandb.enabled=false", *s.production, *([f"batch_size={s.batch}"] if s.batch else [])]
     t = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True, timeout=time_limit(ctx))
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-4000:])
     recs = [json.loads(x) for x in (run / "device_run" / "metrics.jsonl").read_text().splitlines()]
-    recs = [x for x in recs if x.get("split") == "train"][1:]  # after the first interval (compile, warm-up)
-    out.update(run_s=time.perf_counter() - t, data_wait_frac=statistics.mean(x["data_wait_frac"] for x in recs),
-               run_samples_per_s=statistics.mean(x["samples_per_s"] for x in recs))
-    return out
+    start = next((x for x in recs if x.get("split") == "startup"), {})
+    recs = [x for x in recs if x.get("split") == "train"][1:]  # after the first interval (warm-up)
+    return {"workers": data.loader_workers(None), "steps": steps, "run_s": time.perf_counter() - t,
+            "startup_s": start.get("total_s"), "data_wait_frac": statistics.mean(x["data_wait_frac"] for x in recs),
+            "run_samples_per_s": statistics.mean(x["samples_per_s"] for x in recs),
+            "batch": s.batch or config.load(TrainConfig, PRODUCTION).batch_size}
 
 
-SECTIONS: dict[str, Callable[[dict], dict]] = {"environment": environment, "cuda_tests": cuda_tests, "train": train_steps,
-                                               "check": check_step, "reference": reference, "loader": loader}
+SECTIONS: dict[str, Callable[[dict], dict]] = {"environment": environment, "production": production,
+                                               "reference": reference, "check": check_step, "run": real_run,
+                                               "cuda_tests": cuda_tests}
 
 
 # ----------------------------------------------------------------------------- report
@@ -458,19 +466,33 @@ def write_results(ctx: dict, name: str | None = None, partial: dict | None = Non
     (ctx["out"] / "device_check.md").write_text("\n".join(markdown(ctx["results"])) + "\n")
 
 
+def _measured(section: dict) -> dict:
+    return {k: v for k, v in (section or {}).items() if isinstance(v, dict) and "step_s" in v}
+
+
 def verdicts(res: dict) -> list[str]:
+    """One line per issue-62 target, each with its verdict (or why it was not measured)."""
     env = res.get("environment") or {}
     card = env.get("device", "?")
     lines = []
-    tr = res.get("train") or {}
-    best = max((v for k, v in tr.items() if k.startswith("vit_b") and isinstance(v, dict) and "mfu" in v),
-               key=lambda v: v["mfu"], default=None)
-    if best:
-        lines.append(f"MFU of the production (ViT-B) step in bf16 at batch {best['batch']}"
-                     f"{' compiled' if best.get('compile') else ''}: {100 * best['mfu']:.1f}% of the {card}'s bf16 "
-                     f"peak (target >= {100 * MFU_TARGET:.0f}%): {verdict(best['mfu'] >= MFU_TARGET)}")
+    prod = _measured(res.get("production"))
+    scored = {k: v for k, v in prod.items() if "mfu" in v}
+    if scored:
+        name, best = max(scored.items(), key=lambda kv: kv[1]["mfu"])
+        lines.append(f"MFU of the production (ViT-B) step in bf16 at batch {best['batch']}, best variant {name}: "
+                     f"{100 * best['mfu']:.1f}% of the {card}'s measured bf16 matmul rate "
+                     f"({env.get('matmul_bf16_tflops', 0):.0f} TFLOP/s; target >= {100 * MFU_TARGET:.0f}%): "
+                     f"{verdict(best['mfu'] >= MFU_TARGET)}")
     else:
-        lines.append("MFU: not measured")
+        lines.append(f"MFU: not measured ({(res.get('production') or {}).get('error', 'no result')})")
+    planned = {k: v for k, v in prod.items() if v.get("peak_over_plan")}
+    if planned:
+        worst = max(planned.values(), key=lambda v: abs(v["peak_over_plan"] - 1))
+        lines.append("make plan's peak against the measured peak: " + ", ".join(
+            f"{k} {v['peak_gib']:.1f} / {v['plan_peak_gib']:.1f} GiB" for k, v in planned.items())
+            + f" (target within {100 * PLAN_TOLERANCE:.0f}%): {verdict(abs(worst['peak_over_plan'] - 1) <= PLAN_TOLERANCE)}")
+    else:
+        lines.append("make plan against the measured peak: not measured (no GPU memory reading)")
     ref = res.get("reference") or {}
     if ref.get("ratio"):
         name, ratio = max(ref["ratio"].items(), key=lambda kv: kv[1])
@@ -478,20 +500,23 @@ def verdicts(res: dict) -> list[str]:
                      f"{verdict(ratio >= REFERENCE_TARGET)}")
     else:
         lines.append(f"octfm / vjepa2: not measured ({ref.get('skipped') or ref.get('error') or 'no result'})")
-    ld = res.get("loader") or {}
-    if "data_wait_frac" in ld:
-        w = ld["data_wait_frac"]
-        lines.append(f"data wait with the default loader ({ld['workers']} workers): {100 * w:.1f}% of the step "
-                     f"(target < {100 * WAIT_TARGET:.0f}%): {verdict(w < WAIT_TARGET)}")
-    else:
-        lines.append(f"data wait: not measured ({ld.get('error', 'no result')})")
-    ck = {k: v for k, v in (res.get("check") or {}).items() if isinstance(v, dict) and "pretrain_s" in v}
+    ck = _measured(res.get("check"))
     if ck:
-        best = min(ck, key=lambda k: ck[k]["pretrain_s"])
-        lines.append(f"GPU-size learning check's pretraining at the measured step: "
-                     + ", ".join(f"{k} {v['pretrain_s']:.0f} s" for k, v in ck.items())
-                     + f"; the pretraining alone inside the whole check's {CHECK_TARGET_S} s from nothing: "
-                     + verdict(ck[best]["pretrain_s"] < CHECK_TARGET_S))
+        name, best = min(ck.items(), key=lambda kv: kv[1]["step_s"])
+        lines.append(f"the check's step at batch {best['batch']}: " + ", ".join(
+            f"{k} {1000 * v['step_s']:.1f} ms" for k, v in ck.items())
+            + f" (target <= {1000 * CHECK_STEP_TARGET_S:.0f} ms): {verdict(best['step_s'] <= CHECK_STEP_TARGET_S)}; "
+            f"its pretraining at the best step {best['pretrain_s']:.0f} s of the whole check's {CHECK_TARGET_S} s")
+    else:
+        lines.append(f"the check's step: not measured ({(res.get('check') or {}).get('error', 'no result')})")
+    run = res.get("run") or {}
+    if "data_wait_frac" in run:
+        w = run["data_wait_frac"]
+        lines.append(f"data wait in a real make pretrain ({run['steps']} steps, {run['workers']} loader workers, "
+                     f"production crop): {100 * w:.1f}% of the step (target < {100 * WAIT_TARGET:.0f}%): "
+                     f"{verdict(w < WAIT_TARGET)}")
+    else:
+        lines.append(f"data wait: not measured ({run.get('error') or run.get('skipped') or 'no result'})")
     ct = res.get("cuda_tests") or {}
     if "tests" in ct:
         lines.append(f"CUDA tests: {ct['passed']} passed, {len(ct['failed'])} failed {ct['failed'] or ''}, "
@@ -499,19 +524,29 @@ def verdicts(res: dict) -> list[str]:
     return lines
 
 
+def _num(v, fmt: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, fmt)
+
+
 def step_table(steps: dict, title: str) -> list[str]:
-    """A section's measured steps (step_size's records) as a table."""
-    rows = {k: v for k, v in steps.items() if isinstance(v, dict) and "step_s" in v}
-    if not rows:
+    """A section's measured steps (step_size's records) as a table; a skipped or failed variant says why."""
+    if not steps:
         return []
-    md = [f"## {title}", "", "| config | params | batch | tokens/sample | step (ms) | tokens/s | GFLOP/step | "
-          "achieved TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB | first step (s) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for k, v in rows.items():
+    md = [f"## {title}", "", "| variant | params | batch | tokens/sample | step (ms) | tokens/s | GFLOP/step | "
+          "achieved TFLOP/s | MFU (measured matmul) | GPU busy | peak GiB | plan GiB | first step (s) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, v in steps.items():
+        if not isinstance(v, dict):
+            continue
+        if "step_s" not in v:
+            why = v.get("skipped") or v.get("error") or "?"
+            md.append(f"| {k} | {'skipped' if 'skipped' in v else 'failed'}: {why[:200]} |" + " |" * 11)
+            continue
         md.append(f"| {k} | {v['params_m']:.1f} M | {v['batch']} | {v['tokens']} | {1000 * v['step_s']:.1f} | "
-                  f"{v['tokens_per_s']:.0f} | {v['flops_per_step'] / 1e9:.0f} | {v['achieved_tflops']:.1f} | "
-                  f"{100 * v['mfu']:.1f}% | {100 * v['mfu_of_measured_matmul']:.1f}% | "
-                  f"{'-' if v['peak_gib'] is None else format(v['peak_gib'], '.1f')} | {v['first_step_s']:.1f} |")
+                  f"{v['tokens_per_s']:.0f} | {_num(v.get('flops_per_step'), '.0f', 1e-9)} | "
+                  f"{_num(v.get('achieved_tflops'), '.1f')} | {_num(v.get('mfu'), '.1%')} | "
+                  f"{_num(v.get('gpu_busy_frac'), '.0%')} | {_num(v.get('peak_gib'), '.1f')} | "
+                  f"{_num(v.get('plan_peak_gib'), '.1f')} | {v['first_step_s']:.1f} |")
     return md + [""]
 
 
@@ -547,20 +582,19 @@ def markdown(res: dict) -> list[str]:
               f"{env.get('matmul_bf16_tflops', 0):.1f} TFLOP/s (datasheet {env.get('datasheet_bf16_tflops')}); "
               f"torch built for {','.join(env.get('arch_list') or []) or '-'}; "
               f"{res.get('when')}; total {res.get('total_s', 0):.0f} s", ""]
-    for key, title in (("train", "Training step (bf16)"),
+    for key, title in (("production", f"The production step ({PRODUCTION}, ViT-B, bf16)"),
                        ("check", f"The GPU-size learning check's pretraining step ({CHECK}, bf16)")):
         md += step_table(res.get(key) or {}, title)
-        md += profile_table(res.get(key) or {}, f"{title}: where a step's time goes (torch.profiler)")
+        md += profile_table(_measured(res.get(key)), f"{title}: where a step's time goes (torch.profiler)")
     ref = res.get("reference") or {}
     if ref.get("markdown"):
         md += ref["markdown"] + [""]
-    ld = res.get("loader") or {}
-    if "data_wait_frac" in ld:
-        md += ["## Loader (production crop, random-resized crop, default workers)", "",
-               f"{ld['workers']} workers: {ld.get('volumes_per_s', float('nan')):.1f} volumes/s alone; the ViT-B step "
-               f"consumes {ld.get('step_consumes_volumes_per_s', float('nan')):.1f} volumes/s at batch {ld['batch']}. A real run "
-               f"({ld.get('run_s', 0):.0f} s): data wait {100 * ld.get('data_wait_frac', float('nan')):.1f}% of the step, "
-               f"{ld.get('run_samples_per_s', float('nan')):.1f} samples/s.", ""]
+    run = res.get("run") or {}
+    if "data_wait_frac" in run:
+        md += ["## A real make pretrain (production config and crop, volumes from disk, default workers)", "",
+               f"{run['steps']} steps of {run['batch']} in {run.get('run_s', 0):.0f} s (startup "
+               f"{_num(run.get('startup_s'), '.1f')} s): {run['run_samples_per_s']:.1f} samples/s, data wait "
+               f"{100 * run['data_wait_frac']:.1f}% of the step with {run['workers']} loader workers.", ""]
     for name, v in res.items():
         if isinstance(v, dict) and v.get("error"):
             md += [f"Section {name} failed: `{v['error'][:300]}`", ""]
@@ -573,8 +607,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for device_check.json and .md")
     ap.add_argument("--dry-run", action="store_true", help="the same code on the CPU at tiny sizes")
     ap.add_argument("--vjepa2", default=".device/vjepa2", help="a facebookresearch/vjepa2 checkout (src/, app/)")
-    ap.add_argument("--budget-s", type=float, default=330,
-                    help="seconds; optional parts (compiled steps) start only with enough of it left")
+    ap.add_argument("--budget-s", type=float, default=480,
+                    help="seconds; each section and variant after the production step's eager one starts only "
+                         "with the time it needs left (SECTION_NEEDS, Sizes.production_variants)")
     ap.add_argument("--only", action="append", choices=sorted(SECTIONS))
     ap.add_argument("--work", default=None, help="scratch folder (default: OUT/work, removed at the end)")
     a = ap.parse_args(argv)
@@ -594,6 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = ["environment"] + [n for n in SECTIONS if n != "environment" and (not a.only or n in a.only)]
     for name in names:
         ts = time.perf_counter()
+        need = ctx["sizes"].seconds(SECTION_NEEDS.get(name, 0))
+        if need and ctx["left"]() < need:
+            print(f"device-check: {name} skipped ({need:.0f} s of budget needed, {ctx['left']():.0f} s left)", flush=True)
+            write_results(ctx, name, {"skipped": f"{need:.0f} s of budget needed, {ctx['left']():.0f} s left"})
+            continue
         print(f"device-check: {name} ...", flush=True)
         try:
             res = SECTIONS[name](ctx)
