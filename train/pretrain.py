@@ -252,7 +252,9 @@ class Trainer:
         self._probe = None  # the online probe, built at its first use
         self.writer = checkpoint.Writer()  # rank 0's checkpoint writes, in the background
         self.resumed_from = self._maybe_resume(ckpt)
-        rt.replicate(self.state_tensors())
+        # the constant buffers (positions) too: left unmarked, the first step read them without a sharding
+        # and XLA gave them one after it, so the second step compiled another graph (docs/accelerators.md)
+        rt.replicate([*self.state_tensors(), *self.model.buffers(), *self.target.buffers()])
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor a step reads and writes back: weights, AdamW state, the device scalars."""
@@ -413,7 +415,10 @@ class Trainer:
         ema_update(self.target, self.model.encoder, torch.where(ok, self.momentum, torch.ones_like(self.momentum)))
         self.opt.zero_grad(set_to_none=True)
         new_mean = torch.where(torch.isinf(self.loss_mean), loss, 0.9 * self.loss_mean + 0.1 * loss)
-        self.loss_mean.copy_(torch.where(ok, new_mean, self.loss_mean))
+        # a new tensor, not written in place: on XLA an in-place write of a tensor the step read before
+        # (the guard's `ok` above) made the second step trace a different graph and compile it again
+        # (tests/xla/test_xla.py holds one compilation of the step; docs/accelerators.md)
+        self.loss_mean = torch.where(ok, new_mean, self.loss_mean)
         skipped = (~ok).float()
         self.skipped.add_(skipped)
         self.skip_run.copy_((self.skip_run + 1.0) * skipped)
@@ -460,13 +465,15 @@ class Trainer:
             return None
         it = iter(self.rt.loader(dl))
         n = min(cfg.val_batches, n_rows // (cfg.batch_size * self.rt.world))
-        total = torch.zeros((), device=self.rt.device)
-        for _ in range(n):
+        if n < 1:  # val_batches: 0
+            return None
+        total = 0.0  # a Python number until the first loss: a zeros tensor made here was a graph of its own on
+        for _ in range(n):  # XLA, run by the loader's sync at the first batch
             b = self.rt.to_device(next(it))
             x = data.normalize(b["x"], b["aug"])
             with self.rt.autocast():
                 tg = target_features(self.target, x)
-                total += self.model(x, data.mask_pairs(b), tg).float()
+                total = total + self.model(x, data.mask_pairs(b), tg).float()
         loss = self.rt.all_mean(total / n)
         return {"step": self.step, "loss": float(loss)}
 
