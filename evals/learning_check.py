@@ -186,19 +186,30 @@ def _timed(threads: int, fn, *args):
     return out, round(time.perf_counter() - t0, 1), round(Stages._cpu() - c0, 1)
 
 
-# What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
+# What each kept result is made by: its entry files, whose import closure (config.import_closure) keys it, so an
+# edit to any file they import makes it afresh (config.source_digest) and an edit elsewhere keeps it
 COHORT_CODE = ("ingest/synth.py",)
-PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain` runs (train/ imports no evals/)
-# `make plan` sits beside the trainer but no training imports it (tested): an edit to it keeps the runs
-NOT_TRAINING = ("train/plan.py",)
-# evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
-# elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
-SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
+# `make pretrain`, and the cache builder: a run is named for its cache's path, not its contents (recipe_name)
+PRETRAIN_CODE = ("train/pretrain.py", "cache/build.py")
+SUPERVISED_CODE = ("evals/supervised.py", "cache/build.py")  # the reference: the recipe's encoder on the labels
 # a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
-# participants, config defaults and the probes' fit (its fitted start, head_init: probe) key its name too, so a
-# fine-tuning edit retrains it (a resume under older code came back with what that code had done: stop 50's review)
-FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py", "evals/probe.py",
-                 "evals/check_probes.py")
+# participants, config defaults, the probes' fit (its fitted start, head_init: probe), the start features, the val
+# score that picks its best epoch and the labelled data key its name too, through what evals/finetune.py imports
+FINETUNE_CODE = ("evals/finetune.py",)
+# files an entry imports that make none of its results, each with why (none today: `make plan`, train/plan.py,
+# sits beside the trainer and no entry imports it, so an edit to it keeps the runs without an exclusion)
+NOT_KEYED: dict[str, str] = {}
+
+
+def keyed_files(code: Sequence[str]) -> list[str]:
+    """The files whose contents key a result made by `code` (one of the *_CODE entries): every file
+    they import, less NOT_KEYED."""
+    return [f for f in config.import_closure(*code) if f not in NOT_KEYED]
+
+
+def code_key(code: Sequence[str], length: int = 12) -> str:
+    """The content key of keyed_files(code)."""
+    return config.source_digest(*keyed_files(code), length=length)
 
 
 def eval_device(train_device: str) -> str:
@@ -213,7 +224,7 @@ def cohort(root: Path, cfg: synth.SynthConfig) -> str:
     """The generated cohort, written once per generator config and generator code (a marker names both)."""
     participants = cfg.participants
     marker = root / "cohort.json"
-    want = json.dumps({**dataclasses.asdict(cfg), "code": config.source_digest(*COHORT_CODE)}, sort_keys=True)
+    want = json.dumps({**dataclasses.asdict(cfg), "code": code_key(COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
         counts = synth.generate(root, cfg, progress=True)
         print(f"learning-check: cohort of {participants} participants, {counts['good']} volumes in {root}")
@@ -233,8 +244,7 @@ def recipe_name(config_path: str, cache: str, overrides: Sequence[str], code: Se
     """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (the sources
     under `code`) trains afresh and an unchanged one resumes; an edit to the probes alone keeps
     the pretraining."""
-    code_key = config.source_digest(*code, exclude=NOT_TRAINING)
-    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, code_key])
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, code_key(code)])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -309,7 +319,7 @@ def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
     """A fine-tuning run's folder name under its pretraining run: init, fraction, training seed
     and the fine-tuning code (FINETUNE_CODE)."""
     return (f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}") +
-            "_" + config.source_digest(*FINETUNE_CODE, length=8))
+            "_" + code_key(FINETUNE_CODE, length=8))
 
 
 def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,
