@@ -36,15 +36,16 @@ LATEST = "latest.pt"    # the name users pass for a run's newest checkpoint
 POINTER = "latest.txt"  # what save writes instead of a copy: the newest step file's name
 
 
-def require_shared(ckpt_dir: str, hosts: int) -> None:
+def require_shared(ckpt_dir: str, hosts: int, key: str = "ckpt_dir") -> None:
     """A run on several hosts keeps its checkpoints where every host sees them: each host resumes
     from the same file after a restart (a local folder would resume host 0 alone while the
-    others start from step 0, and the replicas part or hang)."""
+    others start from step 0, and the replicas part or hang). `key`: the config key that names
+    the folder (fine-tuning's is `out`)."""
     if hosts > 1 and not fsio.is_shared(ckpt_dir):
         kind = fsio.mount_type(ckpt_dir)
         raise ConfigError(
-            f"ckpt_dir: {ckpt_dir} is a local folder ({kind or 'unknown'} file system), but this run spans {hosts} "
-            f"hosts: each would resume from its own copy. Set ckpt_dir=gs://<bucket>/<path> (or a folder on a file "
+            f"{key}: {ckpt_dir} is a local folder ({kind or 'unknown'} file system), but this run spans {hosts} "
+            f"hosts: each would resume from its own copy. Set {key}=gs://<bucket>/<path> (or a folder on a file "
             f"system every host mounts: {', '.join(sorted(fsio.SHARED_FILESYSTEMS))})")
 
 
