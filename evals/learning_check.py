@@ -673,10 +673,11 @@ def supervised_features(pcfg: ProbeConfig, ckpts: dict, probe_dir: Path) -> dict
     encoders read in one pass over the cache (no random-init baseline: the check has it). How it
     trained: its steps and, where it stopped on val (decision 17), the best step, where it stopped
     and the best val score."""
-    states = {frac: checkpoint.load(ckpt) for frac, ckpt in ckpts.items()}
+    read = {frac: checkpoint.load_named(ckpt) for frac, ckpt in ckpts.items()}
+    states = {frac: st for frac, (_, st) in read.items()}
     encoders, tcfg = {}, None
-    for frac, st in states.items():
-        enc, tcfg, ident = features.checkpoint_encoder(ckpts[frac], state=st)
+    for frac, (path, st) in read.items():
+        enc, tcfg, ident = features.checkpoint_encoder(path, state=st)
         encoders[pct(frac)] = (enc, ident)
     feats = probe.encoder_features(dataclasses.replace(pcfg, baselines=False), encoders, tcfg, probe_dir)["feats"]
     keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")

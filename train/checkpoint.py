@@ -208,8 +208,15 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 def load(uri: str, map_location="cpu") -> dict:
     """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
-    data = _following_pointer(uri, fsio.read_bytes)
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    return load_named(uri, map_location)[1]
+
+
+def load_named(uri: str, map_location="cpu") -> tuple[str, dict]:
+    """`load`, with the file it read (latest.pt resolved once): a reader that also records the
+    checkpoint's `identity` takes it of that file, not of the one latest.pt names after a save
+    that landed meanwhile."""
+    path, data = _following_pointer(uri, lambda resolved: (resolved, fsio.read_bytes(resolved)))
+    return path, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def is_whole(uri: str) -> bool:
