@@ -19,12 +19,13 @@ for a run cut short); docs/learning-check.md keeps the decisions behind it.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import multiprocessing.connection
 import resource
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -151,21 +152,62 @@ class Stages:
 def in_processes(jobs: dict, width: int, ended=None, threads: int = 0) -> dict:
     """{name: result} of each named job, (a module-level function, its arguments), each in its
     own process, `width` at a time, started in the order given, each on `threads` torch threads
-    (0: torch's default); `ended(name, wall s, cpu s)` as each one ends. A failure ends the pool
-    (the queued jobs do not start) and is raised."""
-    out = {}
-    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), width), mp_context=procs.worker_context()) as pool:
-        names = {pool.submit(_timed, threads, fn, *args): name for name, (fn, args) in jobs.items()}
-        for fut in concurrent.futures.as_completed(names):
-            name = names[fut]
-            try:
-                out[name], wall, cpu = fut.result()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            if ended:
-                ended(name, wall, cpu)
+    (0: torch's default); `ended(name, wall s, cpu s)` as each one ends. A failure, or Ctrl-C,
+    is raised at once: the queued jobs do not start and the running ones are ended, not waited for
+    (a supervised reference runs tens of minutes; a pool's shutdown would wait for it)."""
+    ctx = procs.worker_context()
+    queued, running, out = list(jobs.items()), {}, {}
+    try:
+        while queued or running:
+            while queued and len(running) < width:
+                name, (fn, args) = queued.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_job, args=(send, threads, fn, args), name=f"octfm-job {name}")
+                proc.start()
+                send.close()
+                running[recv] = (name, proc)
+            for recv in multiprocessing.connection.wait(list(running)):
+                name, proc = running.pop(recv)
+                out[name], wall, cpu = _job_result(name, recv, proc)
+                if ended:
+                    ended(name, wall, cpu)
+    finally:
+        for _, proc in running.values():
+            proc.terminate()
+        for _, proc in running.values():
+            proc.join()
     return {name: out[name] for name in jobs}
+
+
+def _job(send, threads: int, fn, args) -> None:
+    """A job's process: _timed(threads, fn, *args) sent back as (True, result) or, raised, (False,
+    the exception with its traceback in a note)."""
+    try:
+        result = (True, _timed(threads, fn, *args))
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the parent (in_processes)
+        exc.add_note("in the job's process:\n" + "".join(traceback.format_exception(exc)))
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # noqa: BLE001 - the result or the exception does not pickle
+        what = "result" if result[0] else f"exception ({result[1]!r})"
+        send.send((False, RuntimeError(f"{getattr(fn, '__name__', fn)}: its {what} could not be sent back: "
+                                       f"{type(exc).__name__}: {exc}")))
+
+
+def _job_result(name: str, recv, proc) -> tuple:
+    """A finished job's (result, wall s, cpu s); its exception raised; a process that died without
+    an answer said."""
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{name}: its process ended without a result (exit status {proc.exitcode}; out of "
+                           "memory?)") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
 
 
 def _call(job: tuple):

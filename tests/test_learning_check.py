@@ -519,3 +519,60 @@ def test_every_file_a_kept_results_code_imports_keys_it():
                            set(learning_check.keyed_files(getattr(learning_check, key))))
                for key, made_by in MADE_BY.items()}
     assert missing == {key: [] for key in MADE_BY}
+
+
+def _note_pid_and_sleep(path: str, seconds: float) -> None:
+    """A long job (a supervised reference) that notes its process id first."""
+    import os
+    import time
+    from pathlib import Path
+
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
+
+
+def _fail_once_the_sibling_runs(path: str) -> None:
+    """A job that fails while its sibling runs."""
+    import time
+    from pathlib import Path
+
+    while not Path(path).exists():
+        time.sleep(0.05)
+    raise ValueError("a job failed")
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("how", ["a job fails", "ctrl-c"])
+def test_a_failure_among_jobs_at_once_is_raised_at_once_and_ends_the_others(tmp_path, how):
+    """Issue 65, item 7: a failed job (or Ctrl-C, here raised where the parent waits) is reported
+    without waiting for a sibling that runs for a minute (a supervised reference runs tens of
+    minutes), and the sibling's process is gone afterwards."""
+    import time
+
+    pid = tmp_path / "pid"
+    jobs = {"long": (_note_pid_and_sleep, (str(pid), 60))}
+    if how == "a job fails":
+        jobs["failing"] = (_fail_once_the_sibling_runs, (str(pid),))
+        expected, ended = ValueError, None
+    else:
+        jobs["short"] = (_note_pid_and_sleep, (str(tmp_path / "x"), 0))
+
+        def ended(name, wall, cpu):
+            while not pid.exists():
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+
+        expected = KeyboardInterrupt
+    t0 = time.perf_counter()
+    with pytest.raises(expected):
+        learning_check.in_processes(jobs, 2, ended)
+    assert time.perf_counter() - t0 < 30
+    assert _gone(int(pid.read_text()))
