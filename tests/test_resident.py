@@ -115,9 +115,12 @@ def _loads_resident(args, monkeypatch) -> bool:
     """Whether a training with `args` cut its crops from resident volumes."""
     from train import pretrain
 
-    took = []
-    real = pretrain.Trainer.load_resident
-    monkeypatch.setattr(pretrain.Trainer, "load_resident", lambda self, progress: took.append(1) or real(self, progress))
+    took, real = [], pretrain.Trainer.load_resident
+
+    def spy(self, progress):
+        took.append(1)
+        real(self, progress)
+    monkeypatch.setattr(pretrain.Trainer, "load_resident", spy)
     train_here(*args)
     monkeypatch.setattr(pretrain.Trainer, "load_resident", real)
     return bool(took)

@@ -73,7 +73,7 @@ def note_worker_start(path: str, worker_id: int) -> None:
     nothing, and a log gone (a worker ready after the startup record) or a full or read-only
     disk is passed over."""
     try:
-        with open("/proc/self/stat") as f:  # field 22 (after the command's closing parenthesis): start, ticks after boot
+        with open("/proc/self/stat") as f:  # field 22 (after the command's closing parenthesis): ticks after boot
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         now = time.time()
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
