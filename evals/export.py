@@ -140,8 +140,8 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
     """Write the model folder `out` (local or gs://); each file atomically. Returns config.json."""
     from safetensors.torch import save
 
-    st = checkpoint.load(ckpt)
-    enc, cfg, ident = features.checkpoint_encoder(ckpt, state=st)
+    path, st = checkpoint.load_named(ckpt)
+    enc, cfg, ident = features.checkpoint_encoder(path, state=st)
     conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
     weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
     fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)

@@ -22,9 +22,11 @@ def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig |
                        state: dict | None = None) -> tuple[Encoder, TrainConfig, dict]:
     """The EMA target encoder of a checkpoint (V-JEPA evaluates it), or a random one of the
     same architecture when ckpt is None (the baseline). Returns encoder, config, identity.
-    `state`: the checkpoint already loaded (a caller that reads more of it loads it once)."""
+    `state`: the checkpoint already loaded (a caller that reads more of it loads it once), from
+    `ckpt` as checkpoint.load_named resolved it. latest.pt is resolved once: the weights and the
+    identity are of one file, even when a save lands meanwhile."""
     if ckpt:
-        st = state if state is not None else checkpoint.load(ckpt)
+        ckpt, st = (ckpt, state) if state is not None else checkpoint.load_named(ckpt)
         cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
         enc = Encoder(cfg.model, cfg.data.input_shape)
         enc.load_state_dict(st["target"])

@@ -194,6 +194,8 @@ class Finetuner:
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
         self.cfg, self.rt = cfg, rt
+        # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
+        checkpoint.require_shared(str(run_dir(cfg)), rt.hosts, key="out")
         self.spec = TASKS[cfg.task]
         bb = load_backbone(cfg)
         scale = tuple(cfg.scale) if cfg.scale is not None else tuple(bb.train_config.data.scale)

@@ -19,12 +19,13 @@ for a run cut short); docs/learning-check.md keeps the decisions behind it.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import multiprocessing.connection
 import resource
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -151,21 +152,62 @@ class Stages:
 def in_processes(jobs: dict, width: int, ended=None, threads: int = 0) -> dict:
     """{name: result} of each named job, (a module-level function, its arguments), each in its
     own process, `width` at a time, started in the order given, each on `threads` torch threads
-    (0: torch's default); `ended(name, wall s, cpu s)` as each one ends. A failure ends the pool
-    (the queued jobs do not start) and is raised."""
-    out = {}
-    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), width), mp_context=procs.worker_context()) as pool:
-        names = {pool.submit(_timed, threads, fn, *args): name for name, (fn, args) in jobs.items()}
-        for fut in concurrent.futures.as_completed(names):
-            name = names[fut]
-            try:
-                out[name], wall, cpu = fut.result()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            if ended:
-                ended(name, wall, cpu)
+    (0: torch's default); `ended(name, wall s, cpu s)` as each one ends. A failure, or Ctrl-C,
+    is raised at once: the queued jobs do not start and the running ones are ended, not waited for
+    (a supervised reference runs tens of minutes; a pool's shutdown would wait for it)."""
+    ctx = procs.worker_context()
+    queued, running, out = list(jobs.items()), {}, {}
+    try:
+        while queued or running:
+            while queued and len(running) < width:
+                name, (fn, args) = queued.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_job, args=(send, threads, fn, args), name=f"octfm-job {name}")
+                proc.start()
+                send.close()
+                running[recv] = (name, proc)
+            for recv in multiprocessing.connection.wait(list(running)):
+                name, proc = running.pop(recv)
+                out[name], wall, cpu = _job_result(name, recv, proc)
+                if ended:
+                    ended(name, wall, cpu)
+    finally:
+        for _, proc in running.values():
+            proc.terminate()
+        for _, proc in running.values():
+            proc.join()
     return {name: out[name] for name in jobs}
+
+
+def _job(send, threads: int, fn, args) -> None:
+    """A job's process: _timed(threads, fn, *args) sent back as (True, result) or, raised, (False,
+    the exception with its traceback in a note)."""
+    try:
+        result = (True, _timed(threads, fn, *args))
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the parent (in_processes)
+        exc.add_note("in the job's process:\n" + "".join(traceback.format_exception(exc)))
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # noqa: BLE001 - the result or the exception does not pickle
+        what = "result" if result[0] else f"exception ({result[1]!r})"
+        send.send((False, RuntimeError(f"{getattr(fn, '__name__', fn)}: its {what} could not be sent back: "
+                                       f"{type(exc).__name__}: {exc}")))
+
+
+def _job_result(name: str, recv, proc) -> tuple:
+    """A finished job's (result, wall s, cpu s); its exception raised; a process that died without
+    an answer said."""
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{name}: its process ended without a result (exit status {proc.exitcode}; out of "
+                           "memory?)") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
 
 
 def _call(job: tuple):
@@ -186,19 +228,30 @@ def _timed(threads: int, fn, *args):
     return out, round(time.perf_counter() - t0, 1), round(Stages._cpu() - c0, 1)
 
 
-# What each kept result is made by: a change to these sources makes it afresh (config.source_digest)
+# What each kept result is made by: its entry files, whose import closure (config.import_closure) keys it, so an
+# edit to any file they import makes it afresh (config.source_digest) and an edit elsewhere keeps it
 COHORT_CODE = ("ingest/synth.py",)
-PRETRAIN_CODE = ("train", "octfm", "cache", "manifests")  # what `make pretrain` runs (train/ imports no evals/)
-# `make plan` sits beside the trainer but no training imports it (tested): an edit to it keeps the runs
-NOT_TRAINING = ("train/plan.py",)
-# evals/supervised.py trains the reference and imports from evals/ only probe_heads (tested): an edit
-# elsewhere in evals/ (the probes, this file) keeps the references instead of retraining three of them
-SUPERVISED_CODE = (*PRETRAIN_CODE, "evals/supervised.py", "evals/probe_heads.py")
+# `make pretrain`, and the cache builder: a run is named for its cache's path, not its contents (recipe_name)
+PRETRAIN_CODE = ("train/pretrain.py", "cache/build.py")
+SUPERVISED_CODE = ("evals/supervised.py", "cache/build.py")  # the reference: the recipe's encoder on the labels
 # a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
-# participants, config defaults and the probes' fit (its fitted start, head_init: probe) key its name too, so a
-# fine-tuning edit retrains it (a resume under older code came back with what that code had done: stop 50's review)
-FINETUNE_CODE = ("evals/finetune.py", "evals/probe_heads.py", "evals/subsets.py", "evals/config.py", "evals/probe.py",
-                 "evals/check_probes.py")
+# participants, config defaults, the probes' fit (its fitted start, head_init: probe), the start features, the val
+# score that picks its best epoch and the labelled data key its name too, through what evals/finetune.py imports
+FINETUNE_CODE = ("evals/finetune.py",)
+# files an entry imports that make none of its results, each with why (none today: `make plan`, train/plan.py,
+# sits beside the trainer and no entry imports it, so an edit to it keeps the runs without an exclusion)
+NOT_KEYED: dict[str, str] = {}
+
+
+def keyed_files(code: Sequence[str]) -> list[str]:
+    """The files whose contents key a result made by `code` (one of the *_CODE entries): every file
+    they import, less NOT_KEYED."""
+    return [f for f in config.import_closure(*code) if f not in NOT_KEYED]
+
+
+def code_key(code: Sequence[str], length: int = 12) -> str:
+    """The content key of keyed_files(code)."""
+    return config.source_digest(*keyed_files(code), length=length)
 
 
 def eval_device(train_device: str) -> str:
@@ -213,7 +266,7 @@ def cohort(root: Path, cfg: synth.SynthConfig) -> str:
     """The generated cohort, written once per generator config and generator code (a marker names both)."""
     participants = cfg.participants
     marker = root / "cohort.json"
-    want = json.dumps({**dataclasses.asdict(cfg), "code": config.source_digest(*COHORT_CODE)}, sort_keys=True)
+    want = json.dumps({**dataclasses.asdict(cfg), "code": code_key(COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
         counts = synth.generate(root, cfg, progress=True)
         print(f"learning-check: cohort of {participants} participants, {counts['good']} volumes in {root}")
@@ -233,8 +286,7 @@ def recipe_name(config_path: str, cache: str, overrides: Sequence[str], code: Se
     """A run name per recipe, cache and code, so a changed ARGS, SOURCE or trainer (the sources
     under `code`) trains afresh and an unchanged one resumes; an edit to the probes alone keeps
     the pretraining."""
-    code_key = config.source_digest(*code, exclude=NOT_TRAINING)
-    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, code_key])
+    blob = "\n".join([Path(config_path).read_text(), cache, *overrides, code_key(code)])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -309,7 +361,7 @@ def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
     """A fine-tuning run's folder name under its pretraining run: init, fraction, training seed
     and the fine-tuning code (FINETUNE_CODE)."""
     return (f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}") +
-            "_" + config.source_digest(*FINETUNE_CODE, length=8))
+            "_" + code_key(FINETUNE_CODE, length=8))
 
 
 def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot: int, seed: int,
@@ -663,10 +715,11 @@ def supervised_features(pcfg: ProbeConfig, ckpts: dict, probe_dir: Path) -> dict
     encoders read in one pass over the cache (no random-init baseline: the check has it). How it
     trained: its steps and, where it stopped on val (decision 17), the best step, where it stopped
     and the best val score."""
-    states = {frac: checkpoint.load(ckpt) for frac, ckpt in ckpts.items()}
+    read = {frac: checkpoint.load_named(ckpt) for frac, ckpt in ckpts.items()}
+    states = {frac: st for frac, (_, st) in read.items()}
     encoders, tcfg = {}, None
-    for frac, st in states.items():
-        enc, tcfg, ident = features.checkpoint_encoder(ckpts[frac], state=st)
+    for frac, (path, st) in read.items():
+        enc, tcfg, ident = features.checkpoint_encoder(path, state=st)
         encoders[pct(frac)] = (enc, ident)
     feats = probe.encoder_features(dataclasses.replace(pcfg, baselines=False), encoders, tcfg, probe_dir)["feats"]
     keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")

@@ -5,6 +5,7 @@ Why: a typo such as `optim.lrr` must stop the run with the key named, not be ign
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -196,19 +197,58 @@ def content_key(blob: Any, length: int = 20) -> str:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def source_digest(*parts: str, length: int = 12, exclude: tuple[str, ...] = ()) -> str:
-    """A content key of the project's Python sources under `parts` (folders or files relative to
-    the repository root, e.g. "train", "ingest/synth.py"): results kept across runs (the learning
-    check's cohort and runs) are keyed on the code that made them, so an edit makes them afresh
-    instead of reusing what older code produced. Content, not the git commit: a README edit or
-    an uncommitted change counts as what it is. `exclude`: files under `parts` that do not make the
-    result (e.g. a planning tool beside the trainer)."""
-    files = []
-    for part in parts:
-        p = REPO_ROOT / part
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    files = [f for f in files if f.relative_to(REPO_ROOT).as_posix() not in exclude]
+def import_closure(*entries: str) -> list[str]:
+    """The repository files that the entry files (repository paths) run: each `import` and `from ...
+    import` of the project's own packages, a function's own included, followed through every file it
+    reaches, with each package's __init__ on the way; read from the sources, nothing imported. A
+    result keyed on these (source_digest) is made afresh after an edit to any file its code imports,
+    not only to the files someone listed."""
+    todo, files = [e[:-3].replace("/", ".").removesuffix(".__init__") for e in entries], set()
+    while todo:
+        for f in _module_files(todo.pop()):
+            if f not in files:
+                files.add(f)
+                todo += _imported(f)
+    return sorted(files)
+
+
+def _module_files(name: str) -> list[str]:
+    """The repository files that importing module `name` runs: each package's __init__ on the way
+    and the module's own file ([] for a module of no package here: the standard library, torch)."""
+    parts = name.split(".")
+    if not (REPO_ROOT / parts[0] / "__init__.py").is_file():
+        return []
+    found = []
+    for i in range(1, len(parts) + 1):
+        path = REPO_ROOT.joinpath(*parts[:i])
+        found += [f.relative_to(REPO_ROOT).as_posix() for f in (path / "__init__.py", path.with_suffix(".py"))
+                  if f.is_file()]
+    return found
+
+
+def _imported(path: str) -> list[str]:
+    """The module names a repository file imports, anywhere in it (`from a import b` names both a
+    and a.b: b may be a module; a relative import is resolved against the file's package)."""
+    package = path.rsplit("/", 1)[0].split("/")
+    names = []
+    for node in ast.walk(ast.parse((REPO_ROOT / path).read_text(), path)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: the file's package, or a package above it
+                base = ".".join(package[:len(package) + 1 - node.level] + ([base] if base else []))
+            names += [base, *(f"{base}.{a.name}" for a in node.names)]
+    return names
+
+
+def source_digest(*files: str, length: int = 12) -> str:
+    """A content key of the project's Python sources `files` (repository paths, e.g. an
+    import_closure): results kept across runs (the learning check's cohort and runs) are keyed on
+    the code that made them, so an edit makes them afresh instead of reusing what older code
+    produced. Content, not the git commit: a README edit or an uncommitted change counts as what
+    it is."""
     h = hashlib.sha256()
     for f in files:
-        h.update(f.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.encode() + b"\0" + (REPO_ROOT / f).read_bytes() + b"\0")
     return h.hexdigest()[:length]

@@ -54,3 +54,19 @@ def test_a_scale_below_one_zooms_a_random_box_back_to_the_crop(tiny_cache, tmp_p
 def test_a_bad_scale_is_refused_by_its_key(bad, tiny_cache, tmp_path):
     with pytest.raises(ConfigError, match=r"key 'data.scale'"):
         config.load(TrainConfig, SMOKE, tiny_train_args(tiny_cache, tmp_path, **{"data.scale": bad}))
+
+
+def test_the_augment_bench_divides_by_the_loaders_workers_on_this_host(monkeypatch):
+    """Issue 65, item 6: the production config leaves data.workers null (from the host's cores), and
+    `make bench`'s augment suite divided by it, so it always reported "not measured"."""
+    import os
+
+    from bench import augment_bench
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(5)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    res, lines = augment_bench.run(None, quick=True)
+    assert res["workers"] == 4 and res["extra_ms_per_batch_per_worker"] == pytest.approx(
+        (res["ms_per_sample"]["data.scale [0.8, 1.0]"] - res["ms_per_sample"]["crop + flip"]) * res["batch_size"] / 4,
+        abs=0.1 * res["batch_size"] / 4 + 0.05)  # the ms per sample rounded to 0.1
+    assert "data.workers=4" in lines[-1]

@@ -98,28 +98,45 @@ def _draw_fits(n_draws: int):
     return rows, fs, fit(1.5), [fit(0.3 * d) for d in range(n_draws)]
 
 
+def _by_hand(rows: list[dict], a: np.ndarray, b: np.ndarray | None, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """The binary task's test balanced accuracy of a (minus b's), with its interval, by an explicit
+    loop over participant resamples: the formulas before decision 44, written out, not through
+    check_probes' own scoring (score and paired share it with the rows under test)."""
+    y, groups = check_probes.task_arrays("diabetic", rows)[0][mask], np.array([r["participant_id"] for r in rows])[mask]
+    a, b = a[mask], None if b is None else b[mask]
+
+    def value(i):
+        minus = 0 if b is None else pm.balanced_accuracy(y[i], b[i].argmax(1), 2)
+        return pm.balanced_accuracy(y[i], a[i].argmax(1), 2) - minus
+
+    vals = [value(i) for i in pm.participant_resamples(groups, n_boot, seed)]
+    return {"value": value(np.arange(len(y))), "ci95": pm.ci95(vals), "se": float(np.std(vals))}
+
+
 def test_one_random_draw_gives_the_rows_it_gave_before_the_draws():
-    """Decision 44: with one random-init draw every row is what the formulas before it gave (`score`
-    of each encoder's probabilities, `paired` of the two, the fit's own val and heads), to the last
-    digit, and no per-draw rows are added."""
+    """Decision 44: with one random-init draw every row is what the formulas before it gave (each
+    encoder's test balanced accuracy and the paired difference, by a participant-resample loop
+    written out here, and the single score's interval as probe_metrics.bootstrap_ci gives it; the
+    fit's own val and heads), to the last digit, and no per-draw rows are added."""
     rows, fs, pre, (rand,) = _draw_fits(1)
     te, listed = check_probes.tested_rows(fs), {"pretrained": pre, "random_init": [rand]}
+    y, groups = check_probes.task_arrays("diabetic", rows)[0], np.array([r["participant_id"] for r in rows])
     out = check_probes.compare("diabetic", rows, listed, fs, 50, 0)["comparisons"]
     for kind, c in out.items():
         p, r = pre[kind], rand[kind]
-        assert c["pretrained"] == check_probes.score("diabetic", rows, p["prob"], te, 50, 0)["balanced_accuracy"]
-        assert c["random_init_ci95"] == check_probes.score("diabetic", rows, r["prob"], te, 50, 0)["ci95"]
-        before = check_probes.paired("diabetic", rows, p["prob"], r["prob"], te, 50, 0)
-        assert {k: c[k] for k in before} == before
+        assert c["pretrained"] == _by_hand(rows, p["prob"], None, te, 50, 0)["value"]
+        ci = pm.bootstrap_ci(y[te], r["prob"][te], groups[te], 2, 50, 0)["balanced_accuracy_ci95"]
+        assert c["random_init_ci95"] == ci
+        before = _by_hand(rows, p["prob"], r["prob"], te, 50, 0)
+        assert (c["difference"], c["difference_ci95"], c["difference_se"]) == tuple(before.values())
         assert c["val"] == {"pretrained": p["val"], "random_init": r["val"]}
         assert c["random_head"] == "/".join(sorted(set(r["heads"]))) and "random_draws" not in c
     for name, _, _, tm in fs:
         row = check_probes.per_scanner("diabetic", rows, listed, fs, 50, 0)[name]
-        assert row["random_init"] == check_probes.score("diabetic", rows, rand[check_probes.CHOSEN]["prob"], tm, 50,
-                                                        0)["balanced_accuracy"]
-    point = check_probes.curve_point("diabetic", rows, listed, fs, 50, 0)
-    assert point["pretrained_minus_random_init"] == check_probes.paired(
-        "diabetic", rows, pre[check_probes.CHOSEN]["prob"], rand[check_probes.CHOSEN]["prob"], te, 50, 0)
+        assert row["random_init"] == _by_hand(rows, rand[check_probes.CHOSEN]["prob"], None, tm, 50, 0)["value"]
+    point = check_probes.curve_point("diabetic", rows, listed, fs, 50, 0)["pretrained_minus_random_init"]
+    before = _by_hand(rows, pre[check_probes.CHOSEN]["prob"], rand[check_probes.CHOSEN]["prob"], te, 50, 0)
+    assert (point["difference"], point["difference_ci95"]) == (before["value"], before["ci95"])
 
 
 def test_random_init_rows_are_the_mean_of_their_draws():

@@ -189,3 +189,45 @@ def test_a_reader_following_the_pointer_survives_a_prune_in_between(tmp_path, mo
     checkpoint.save(state(7), d, 7, keep_last=None)  # a branch again; the newest-good scan races the same way
     uri, st = checkpoint.load_newest_good(d)
     assert st["step"] == 9 and uri.endswith("step_0000009.pt") and raced
+
+
+# ------------------------------------------------------------------ issue 65, item 5: files that vanish are said
+VANISHED = "disappeared while they were being read"
+
+
+def _vanishing(monkeypatch, then=lambda: None):
+    """Every read of a step file finds it gone (another process pruning faster than we read), and
+    `then()` runs at each."""
+    def gone(*_):
+        then()
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(fsio, "read_bytes", gone)
+    monkeypatch.setattr(checkpoint, "is_whole", gone)
+
+
+def test_checkpoints_that_keep_vanishing_are_said_to_vanish(tmp_path, monkeypatch):
+    """Not "no checkpoint reads back whole, move them aside" (they were whole), nor "no checkpoint"."""
+    from evals import probe
+    from evals.config import ProbeConfig
+
+    d = tmp_path / "run" / "checkpoints"
+    checkpoint.save(state(4), str(d), 4)
+    _vanishing(monkeypatch)
+    with pytest.raises(cli.JobAborted, match=VANISHED):
+        checkpoint.load_newest_good(str(d))
+    with pytest.raises(cli.JobAborted, match=VANISHED):
+        checkpoint.newest_whole(str(d))
+    with pytest.raises(cli.JobAborted, match=VANISHED):                 # `make probe RUN=...`
+        probe.resolve_checkpoint(ProbeConfig(run=str(tmp_path / "run")))
+
+
+def test_checkpoints_that_vanish_for_good_mid_read_are_not_a_fresh_start(tmp_path, monkeypatch):
+    """Seen, then gone while read: said, rather than a resume starting the run from step 0."""
+    for reader in (checkpoint.load_newest_good, checkpoint.newest_whole):
+        d = tmp_path / reader.__name__
+        checkpoint.save(state(4), str(d), 4)
+        with monkeypatch.context() as m:
+            _vanishing(m, then=lambda: [p.unlink() for p in d.iterdir()])  # noqa: B023
+            with pytest.raises(cli.JobAborted, match=VANISHED):
+                reader(str(d))

@@ -206,20 +206,27 @@ def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretra
                                              marks=pytest.mark.slow)])  # a fitted raw head (12 s): the heavy lane
 def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch, kw):
     """A resume rebuilds the head (its kind, scalers and fitted start's record) from the checkpoint
-    instead of extracting the start features and refitting the probes again (stop 53 left that); the
-    saved shapes load into the head make_heads builds (probe_heads.shaped_like, as make export's
-    folders do)."""
+    instead of extracting the start features and refitting the probes again (stop 53 left that): the
+    resumed head is the one the cut run held when it saved (not merely the file's, which the resume
+    read: issue 65, item 8), and epoch 1 had moved it from its start; the saved shapes load into the
+    head make_heads builds (probe_heads.shaped_like, as make export's folders do)."""
     from evals import probe_heads
 
     cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, **kw)
     ft = _finetuner(cfg)
-    real = ft.validate
+    held = lambda: {k: v.detach().clone() for k, v in ft.model.head.state_dict().items()}  # noqa: E731
+    start, at_save = held(), []
+    real, real_save = ft.validate, ft.save
 
     def validate():
         if ft.epoch > 1:
             raise KeyboardInterrupt  # killed at the end of epoch 2: epoch 1 was saved
         return real()
-    ft.validate = validate
+
+    def save():
+        at_save.append(held())
+        real_save()
+    ft.validate, ft.save = validate, save
     with pytest.raises(KeyboardInterrupt):
         ft.run(progress=False)
     _, st = checkpoint.load_newest_good(ft.ckpt_dir)
@@ -229,7 +236,8 @@ def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, 
     monkeypatch.setattr(finetune.Finetuner, "start_features", refused)
     again = _finetuner(cfg)
     assert again.resumed and again.epoch == 1 and again.kind == ft.kind and again.head_fit == ft.head_fit
-    assert same_state(again.model.head.state_dict(), st["head"])
+    assert len(at_save) == 1 and not same_state(at_save[0], start)     # epoch 1 trained the head
+    assert same_state(again.model.head.state_dict(), at_save[0])
     assert again.run(progress=False)["epochs_run"] == 2
     made = probe_heads.make_heads(ft.kind, 1, ft.model.encoder.norm.normalized_shape[0], 2)
     probe_heads.shaped_like(ft.kind, made, st["head"]).load_state_dict(st["head"])  # strict: every key, every shape

@@ -125,42 +125,21 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
 
 
 
-def test_supervised_code_covers_what_the_reference_imports_from_evals():
-    """SUPERVISED_CODE keys the references on evals/supervised.py and the evals/ modules it
-    imports, so an import added there must join the key."""
-    import ast
+def test_the_import_closure_follows_every_kind_of_import(tmp_path, monkeypatch):
+    """config.import_closure, which keys the check's results: `import a.b`, `from a import b` (b a
+    module), a function's own import, relative imports and each package's __init__ join it; a module
+    of no package here (the standard library) and a file nothing imports do not."""
+    from octfm import config
 
-    from conftest import REPO
-
-    todo, seen = ["evals/supervised.py"], set()
-    while todo:
-        path = todo.pop()
-        seen.add(path)
-        for node in ast.walk(ast.parse((REPO / path).read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module == "evals":
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("evals."):
-                names = [node.module.split(".")[1]]
-            elif isinstance(node, ast.Import):
-                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("evals.")]
-            todo += [f"evals/{n}.py" for n in names if f"evals/{n}.py" not in seen]
-    assert seen == {c for c in learning_check.SUPERVISED_CODE if c.startswith("evals/")}
-
-
-def test_the_files_left_out_of_the_training_key_are_imported_by_no_training():
-    """NOT_TRAINING (train/plan.py) is left out of the digest that names pretraining runs and
-    references: true only while neither the trainer nor the reference imports it."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    mods = [m[:-3].replace("/", ".") for m in learning_check.NOT_TRAINING]
-    code = ("import sys, train.pretrain, evals.supervised; "
-            f"print(sorted(set({mods!r}) & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    files = {"pkg/__init__.py": "", "pkg/entry.py": "import os\nimport pkg.sub.deep\nfrom pkg import mod\n"
+             "def f():\n    from pkg.lazy import x\n", "pkg/mod.py": "", "pkg/lazy.py": "", "pkg/unused.py": "",
+             "pkg/sub/__init__.py": "", "pkg/sub/deep.py": "from . import rel\nfrom ..up import y\n",
+             "pkg/sub/rel.py": "", "pkg/up.py": "", "loose.py": ""}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
+    assert config.import_closure("pkg/entry.py") == sorted(set(files) - {"pkg/unused.py", "loose.py"})
 
 
 def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_not(tmp_path, monkeypatch):
@@ -169,9 +148,8 @@ def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_n
     from conftest import REPO
     from octfm import config
 
-    for part in learning_check.SUPERVISED_CODE:
-        (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if (REPO / part).is_dir() else shutil.copy)(REPO / part, tmp_path / part)
+    for package in {f.split("/")[0] for f in learning_check.keyed_files(learning_check.SUPERVISED_CODE)} | {"train"}:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
     cfg = str(REPO / "configs/pretrain_check.yaml")
     names = lambda: (learning_check.recipe_name(cfg, "c", []),  # noqa: E731
@@ -190,8 +168,8 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
     instead of answering "nothing to do" from runs older code made), editing the probes keeps the
     pretraining and the supervised references (not fine-tuning, which can start from a fitted probe),
-    editing evals/supervised.py retrains the references
-    only, and editing the generator makes the cohort afresh; unedited, all are reused."""
+    editing evals/supervised.py retrains the references and fine-tuning (it imports the labelled
+    data from there), and editing the generator makes the cohort afresh; unedited, all are reused."""
     import shutil
     import subprocess
     import sys
@@ -223,7 +201,8 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     with open(copy / "evals" / "supervised.py", "a") as f:
         f.write("\n# an edit\n")
     (pre, sup, tune), reused = run()
-    assert pre == first[0] and sup != first[1] and tune == tune0 and reused  # the reference's code: it retrains
+    # the reference's code retrains it, and fine-tuning, which reads its labelled volumes (supervised.Labelled)
+    assert pre == first[0] and sup != first[1] and tune != tune0 and reused
     with open(copy / "evals" / "finetune.py", "a") as f:
         f.write("\n# an edit\n")
     (pre2, sup2, tune2), reused = run()
@@ -498,3 +477,102 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     seen.clear()
     only_all = learning_check.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
     assert "head_steps" not in only_all["label_efficiency"] and all(m == 0 for m, _ in seen)
+
+
+# what each kept result runs: the entry files that make it (its key must hold every file they import)
+MADE_BY = {"COHORT_CODE": ("ingest/synth.py",),                  # learning_check.cohort
+           "PRETRAIN_CODE": ("train/pretrain.py", "cache/build.py"),   # the run reads the cache, named by its path
+           "SUPERVISED_CODE": ("evals/supervised.py", "cache/build.py"),
+           "FINETUNE_CODE": ("evals/finetune.py",)}
+
+
+def test_every_file_a_kept_results_code_imports_keys_it():
+    """Issue 65, item 1: a key that lacks a file its entry imports resumes results an older version of
+    that file made (FINETUNE_CODE lacked evals/features.py, probe_metrics.py and supervised.py). Each
+    entry is imported in a child of one process (the heavy third-party imports shared) and every
+    repository file it loaded must be keyed."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    entries = sorted({e for es in MADE_BY.values() for e in es})
+    code = """if True:
+        import importlib, json, os, sys
+        import monai, numpy, pandas, torch, zarr  # noqa: F401  (loaded once, before the children)
+        for entry in sys.argv[1:]:
+            if os.fork() == 0:
+                try:
+                    importlib.import_module(entry[:-3].replace("/", "."))
+                    files = sorted(os.path.relpath(m.__file__) for m in list(sys.modules.values())
+                                   if os.path.isabs(getattr(m, "__file__", None) or "")
+                                   and m.__file__.startswith(os.getcwd() + os.sep))
+                    print(json.dumps([entry, files]), flush=True)
+                finally:
+                    os._exit(0)
+            os.wait()
+    """
+    out = subprocess.run([sys.executable, "-c", code, *entries], cwd=REPO, capture_output=True, text=True, check=True)
+    loaded = dict(json.loads(line) for line in out.stdout.splitlines())
+    assert set(loaded) == set(entries) and all(entry in files for entry, files in loaded.items())
+    missing = {key: sorted({f for e in made_by for f in loaded[e]} - set(learning_check.NOT_KEYED) -
+                           set(learning_check.keyed_files(getattr(learning_check, key))))
+               for key, made_by in MADE_BY.items()}
+    assert missing == {key: [] for key in MADE_BY}
+
+
+def _note_pid_and_sleep(path: str, seconds: float) -> None:
+    """A long job (a supervised reference) that notes its process id first."""
+    import os
+    import time
+    from pathlib import Path
+
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
+
+
+def _fail_once_the_sibling_runs(path: str) -> None:
+    """A job that fails while its sibling runs."""
+    import time
+    from pathlib import Path
+
+    while not Path(path).exists():
+        time.sleep(0.05)
+    raise ValueError("a job failed")
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("how", ["a job fails", "ctrl-c"])
+def test_a_failure_among_jobs_at_once_is_raised_at_once_and_ends_the_others(tmp_path, how):
+    """Issue 65, item 7: a failed job (or Ctrl-C, here raised where the parent waits) is reported
+    without waiting for a sibling that runs for a minute (a supervised reference runs tens of
+    minutes), and the sibling's process is gone afterwards."""
+    import time
+
+    pid = tmp_path / "pid"
+    jobs = {"long": (_note_pid_and_sleep, (str(pid), 60))}
+    if how == "a job fails":
+        jobs["failing"] = (_fail_once_the_sibling_runs, (str(pid),))
+        expected, ended = ValueError, None
+    else:
+        jobs["short"] = (_note_pid_and_sleep, (str(tmp_path / "x"), 0))
+
+        def ended(name, wall, cpu):
+            while not pid.exists():
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+
+        expected = KeyboardInterrupt
+    t0 = time.perf_counter()
+    with pytest.raises(expected):
+        learning_check.in_processes(jobs, 2, ended)
+    assert time.perf_counter() - t0 < 30
+    assert _gone(int(pid.read_text()))

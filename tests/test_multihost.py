@@ -79,6 +79,41 @@ def test_two_torchrun_nodes_with_a_local_ckpt_dir_stop_before_training(tiny_cach
     assert not (tmp_path / "runs" / "mh" / "checkpoints").exists()
 
 
+
+def test_fine_tuning_on_two_hosts_refuses_a_local_run_folder(tmp_path, monkeypatch):
+    """Issue 65, item 3, in this process: a Finetuner whose runtime spans two hosts refuses a local
+    `out` by name before it reads the checkpoint."""
+    from evals import finetune
+    from evals.config import FinetuneConfig
+    from octfm import config
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = config.load(FinetuneConfig, "configs/finetune.yaml", [f"ckpt={tmp_path / 'never_read.pt'}",
+                                                                 f"out={tmp_path / 'ft'}", "device=cpu"])
+    with pytest.raises(ConfigError, match=r"out: .* is a local folder .* this run spans 2 hosts.*Set out=gs://"):
+        finetune.Finetuner(cfg, runtime.Runtime("cpu", torch.device("cpu"), rank=1, world=2))
+
+
+@pytest.mark.slow  # two torchrun processes (about 11 s on 2 cores): the heavy lane; the test above is the quick one
+def test_two_torchrun_nodes_refuse_a_local_fine_tuning_folder(tmp_path):
+    """Issue 65, item 3: fine-tuning, like pretraining, refuses a local run folder on two nodes,
+    naming its key (`out`): only rank 0 saves, so the other node could read no finished model and a
+    resume would start the nodes at different epochs. It refuses before reading the checkpoint."""
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "-m", "evals.finetune", "--no-progress", "--ckpt", str(tmp_path / "never_read.pt"),
+               f"out={tmp_path / 'ft'}", "device=cpu"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode != 0
+        assert f"out: {tmp_path / 'ft'}" in err and "this run spans 2 hosts" in err, err[-3000:]
+    assert not (tmp_path / "ft").exists()
+
 def test_optimizer_state_made_before_the_first_step_changes_nothing(tiny_cache, tmp_path):
     """AdamW's state created up front (one XLA compile per launch) gives the same first steps as
     the state AdamW creates itself."""

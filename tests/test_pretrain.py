@@ -400,6 +400,29 @@ def test_startup_dates_the_loader_workers_start(tmp_path):
     data.note_worker_start(st.worker_log, 2)  # a late worker must not fail: the record is already out
 
 
+@pytest.mark.parametrize("broken", ["proc", "boottime"])
+def test_a_worker_starts_where_its_start_cannot_be_dated(tmp_path, monkeypatch, broken):
+    """Issue 65, item 6: a system without /proc (or CLOCK_BOOTTIME) must not stop a loader worker
+    over a diagnostic: note_worker_start returns, and notes nothing it could not date."""
+    import builtins
+
+    log = tmp_path / "workers.jsonl"
+    log.touch()
+    real_open = builtins.open
+
+    def no_proc(path, *a, **k):
+        if str(path).startswith("/proc"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, *a, **k)
+
+    if broken == "proc":
+        monkeypatch.setattr(builtins, "open", no_proc)
+    else:
+        monkeypatch.delattr(time, "CLOCK_BOOTTIME")
+    data.note_worker_start(str(log), 0)
+    assert log.read_text() == ""
+
+
 def test_a_run_records_where_its_startup_went(tiny_run):
     """One `startup` record after the first step: the resident load, the loader, the step-0
     online probe, the first batch and the first update, each timed, summing to the total

@@ -417,3 +417,31 @@ def test_a_fit_scales_and_norms_its_rows_once_as_each_batch_would(kind):
         shape = ((2, 1) if kind == "linear" else (2, 1, 1)) + (8,) if stacked else (8,)
         ref = torch.nn.functional.layer_norm((raw - sc.mean.view(shape)) / sc.std.view(shape), (8,))
         assert torch.allclose(P if kind == "linear" else T, ref, atol=1e-6), (kind, stacked)
+
+
+def test_a_checkpoints_weights_and_identity_come_from_one_file(tmp_path, monkeypatch):
+    """Issue 65, item 4: latest.pt is resolved once. A save that lands between reading the weights
+    and naming them (`make probe CKPT=.../latest.pt` while training runs) must not record step 1's
+    weights under step 2's name."""
+    from evals import features
+    from octfm import fsio
+    from train import checkpoint
+    from train.config import TrainConfig
+    from train.model import Encoder
+
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", ["model.dim=32", "model.depth=1", "model.heads=2"])
+    state = lambda step: {"config": config.to_dict(cfg), "step": step,  # noqa: E731
+                          "target": Encoder(cfg.model, cfg.data.input_shape).state_dict()}
+    ckpts = str(tmp_path / "checkpoints")
+    checkpoint.save(state(1), ckpts, 1)
+    real = fsio.read_bytes
+
+    def read_then_a_save_lands(path):
+        out = real(path)
+        if path.endswith(".pt") and len(checkpoint.list_steps(ckpts)) == 1:
+            checkpoint.save(state(2), ckpts, 2)
+        return out
+
+    monkeypatch.setattr(fsio, "read_bytes", read_then_a_save_lands)
+    _, _, ident = features.checkpoint_encoder(f"{ckpts}/latest.pt")
+    assert (ident["step"], ident["name"]) == (1, "step_0000001.pt")

@@ -109,3 +109,72 @@ def test_auto_keeps_the_loader_off_cuda():
     assert resident.strided_bytes(rows, (2, 2, 2)) == 10 * 16 * 64 * 64
     with pytest.raises(Exception, match="resident"):
         config.from_dict(TrainConfig, {"data": {"resident": "maybe"}})
+
+
+def _loads_resident(args, monkeypatch) -> bool:
+    """Whether a training with `args` cut its crops from resident volumes."""
+    from train import pretrain
+
+    took, real = [], pretrain.Trainer.load_resident
+
+    def spy(self, progress):
+        took.append(1)
+        real(self, progress)
+    monkeypatch.setattr(pretrain.Trainer, "load_resident", spy)
+    train_here(*args)
+    monkeypatch.setattr(pretrain.Trainer, "load_resident", real)
+    return bool(took)
+
+
+def test_a_resume_keeps_the_path_its_run_took(tiny_cache, tmp_path, monkeypatch):
+    """Issue 65, item 2: the two paths draw different crops for one (seed, epoch, index), so `auto`
+    resumes on the path the checkpoint's run took (recorded there), whatever the free memory says
+    now; `always` or `never`, set by hand, still decide, and say that the crops change."""
+    from train import checkpoint, curves
+
+    monkeypatch.setattr(curves, "plot_metrics", lambda run_dir: None)  # a second of each run's four, not read here
+    args = lambda name, mode, steps: tiny_train_args(  # noqa: E731
+        tiny_cache, tmp_path, name=name, max_steps=steps, ckpt_every=1, eval_every=0, **{"data.resident": mode})
+    assert _loads_resident(args("res", "always", 1), monkeypatch)
+    assert checkpoint.load(str(tmp_path / "res" / "checkpoints" / "latest.pt"))["resident"] is True
+    assert _loads_resident(args("res", "auto", 2), monkeypatch)      # auto on the CPU alone would say no
+    assert not _loads_resident(args("crop", "never", 1), monkeypatch)
+    monkeypatch.setattr(resident, "wanted", lambda *a: True)             # as if the card now had the memory
+    assert not _loads_resident(args("crop", "auto", 2), monkeypatch)
+    assert checkpoint.load(str(tmp_path / "crop" / "checkpoints" / "latest.pt"))["resident"] is False
+    said = []                                                            # set by hand: it decides, and says so
+    assert resident.on_resume("always", False, torch.device("cpu"), said.append) is None
+    assert "data.resident=always" in said[0] and "crops from here differ" in said[0]
+    assert resident.on_resume("never", False, torch.device("cpu"), said.append) is None and len(said) == 1
+
+
+def test_resident_always_on_xla_is_refused_naming_the_key():
+    """Issue 65, item 2: the resident crop is not built for XLA's sharded batches, so `always` there
+    stops the run naming `data.resident` instead of being ignored, as does a resume of a resident
+    run under `auto`."""
+    from octfm import cli
+
+    rows = [{"shape": [32, 128, 128]}]
+    with pytest.raises(cli.UsageError, match="data.resident"):
+        resident.wanted("always", torch.device("xla"), rows, (1, 1, 1))
+    assert not resident.wanted("auto", torch.device("xla"), rows, (1, 1, 1))
+    with pytest.raises(cli.UsageError, match="data.resident=never"):
+        resident.on_resume("auto", True, torch.device("xla"), print)
+
+
+def test_every_process_takes_one_resident_decision(tmp_path):
+    """Issue 65, item 2: `auto` reads each process's free memory; the run goes resident only when
+    every process's volumes fit (Runtime.all_true, an all-reduce), so no rank takes the other path."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    code = ("import sys, torch, torch.distributed as dist; from train import runtime; rank = int(sys.argv[1]); "
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=rank, world_size=2); "
+            "rt = runtime.Runtime('cpu', torch.device('cpu'), rank=rank, world=2); "
+            "print(rt.all_true(rank == 0), rt.all_true(True)); dist.destroy_process_group()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    assert [p.communicate(timeout=120)[0].split() for p in procs] == [["False", "True"]] * 2
+    assert all(p.returncode == 0 for p in procs)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from octfm import fsio
+from octfm.cli import JobAborted
 from octfm.config import ConfigError
 
 STEP_RE = re.compile(r"step_(\d+)\.pt$")
@@ -36,15 +37,16 @@ LATEST = "latest.pt"    # the name users pass for a run's newest checkpoint
 POINTER = "latest.txt"  # what save writes instead of a copy: the newest step file's name
 
 
-def require_shared(ckpt_dir: str, hosts: int) -> None:
+def require_shared(ckpt_dir: str, hosts: int, key: str = "ckpt_dir") -> None:
     """A run on several hosts keeps its checkpoints where every host sees them: each host resumes
     from the same file after a restart (a local folder would resume host 0 alone while the
-    others start from step 0, and the replicas part or hang)."""
+    others start from step 0, and the replicas part or hang). `key`: the config key that names
+    the folder (fine-tuning's is `out`)."""
     if hosts > 1 and not fsio.is_shared(ckpt_dir):
         kind = fsio.mount_type(ckpt_dir)
         raise ConfigError(
-            f"ckpt_dir: {ckpt_dir} is a local folder ({kind or 'unknown'} file system), but this run spans {hosts} "
-            f"hosts: each would resume from its own copy. Set ckpt_dir=gs://<bucket>/<path> (or a folder on a file "
+            f"{key}: {ckpt_dir} is a local folder ({kind or 'unknown'} file system), but this run spans {hosts} "
+            f"hosts: each would resume from its own copy. Set {key}=gs://<bucket>/<path> (or a folder on a file "
             f"system every host mounts: {', '.join(sorted(fsio.SHARED_FILESYSTEMS))})")
 
 
@@ -207,8 +209,15 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 def load(uri: str, map_location="cpu") -> dict:
     """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
-    data = _following_pointer(uri, fsio.read_bytes)
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    return load_named(uri, map_location)[1]
+
+
+def load_named(uri: str, map_location="cpu") -> tuple[str, dict]:
+    """`load`, with the file it read (latest.pt resolved once): a reader that also records the
+    checkpoint's `identity` takes it of that file, not of the one latest.pt names after a save
+    that landed meanwhile."""
+    path, data = _following_pointer(uri, lambda resolved: (resolved, fsio.read_bytes(resolved)))
+    return path, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def is_whole(uri: str) -> bool:
@@ -228,16 +237,14 @@ def is_whole(uri: str) -> bool:
 def newest_whole(ckpt_dir: str, warn=print) -> str | None:
     """The newest step file (write_order) that is whole (else a real latest.pt when whole),
     warning about the ones skipped; None when there is none."""
-    for _ in range(3):  # a file pruned while we looked: look again
-        try:
-            for uri in candidates(ckpt_dir):
-                if is_whole(uri):
-                    return uri
-                warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
-            return None
-        except FileNotFoundError:
-            continue
-    return None
+    def scan() -> str | None:
+        for uri in candidates(ckpt_dir):
+            if is_whole(uri):
+                return uri
+            warn(f"warning: checkpoint {uri} is cut short (no ZIP directory); trying the one before it")
+        return None
+
+    return _rescanned(ckpt_dir, scan)
 
 
 def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:
@@ -247,24 +254,45 @@ def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str
     warning naming it. A refused pickle is not skipped: that is an error, not wear. A file pruned
     while we read (another process saved meanwhile) sends us back to the new newest.
     """
-    for _ in range(3):
+    def scan() -> tuple[str, dict] | None:
         tried = candidates(ckpt_dir)
+        for uri in tried:
+            try:
+                return uri, load(uri, map_location)
+            except pickle.UnpicklingError:
+                raise
+            except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
+                warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
+                     "trying the one before it")
+        if tried:  # starting over would overwrite the run's checkpoints
+            raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(tried)} tried); "
+                               "move them aside to start over, or pass CKPT=...")
+        return None
+
+    return _rescanned(ckpt_dir, scan)
+
+
+RESCANS = 3  # passes over a checkpoint folder whose files another process prunes while we read
+
+
+def _rescanned(ckpt_dir: str, scan):
+    """scan() of the folder's checkpoints, again when a file it read disappeared meanwhile (another
+    process saved and pruned), at most RESCANS times. Files that keep disappearing, or that
+    disappear for good, are said as such: not as damage to move aside, and not as "no checkpoint"
+    (a resume would start the run afresh beside them)."""
+    gone = None
+    for _ in range(RESCANS):
         try:
-            for uri in tried:
-                try:
-                    return uri, load(uri, map_location)
-                except pickle.UnpicklingError:
-                    raise
-                except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:  # not OSError: a network error is not damage
-                    warn(f"warning: checkpoint {uri} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
-                         "trying the one before it")
-        except FileNotFoundError:
+            found = scan()
+        except FileNotFoundError as exc:
+            gone = exc
             continue
+        if found is not None or gone is None:
+            return found
         break
-    if tried:  # starting over would overwrite the run's checkpoints
-        raise RuntimeError(f"no checkpoint in {ckpt_dir} reads back whole ({len(tried)} tried); "
-                           "move them aside to start over, or pass CKPT=...")
-    return None
+    raise JobAborted(f"the checkpoints in {ckpt_dir} disappeared while they were being read ({RESCANS} passes; the "
+                     f"last gone: {gone.filename or gone}): another process is saving and pruning them (a second run "
+                     "on this folder?) or moving them; run again once it is done, or pass CKPT=<a step file>")
 
 
 class Writer:

@@ -68,19 +68,22 @@ def note_worker_start(path: str, worker_id: int) -> None:
     """A loader's `worker_init_fn` (functools.partial with `path`): appends when this worker
     process was forked and when it became ready (its imports and the dataset's unpickling done),
     wall-clock seconds, one JSON line per worker. The run's startup record splits the first
-    batch's wait with it (train/pretrain.py `Startup`; the H200's 89 s, docs/accelerators.md)."""
-    with open("/proc/self/stat") as f:  # field 22 (after the command's closing parenthesis): start, ticks after boot
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    now = time.time()
-    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    line = json.dumps({"worker": worker_id, "pid": os.getpid(), "forked": now - age, "ready": now}) + "\n"
-    try:  # appended, never created: a worker ready after the startup record finds its folder gone
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    batch's wait with it (train/pretrain.py `Startup`; the H200's 89 s, docs/accelerators.md).
+    A diagnostic never stops a worker: without /proc or CLOCK_BOOTTIME (not Linux) it notes
+    nothing, and a log gone (a worker ready after the startup record) or a full or read-only
+    disk is passed over."""
+    try:
+        with open("/proc/self/stat") as f:  # field 22 (after the command's closing parenthesis): ticks after boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        now = time.time()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        line = json.dumps({"worker": worker_id, "pid": os.getpid(), "forked": now - age, "ready": now}) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # appended, never created: the folder may be gone
         try:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
-    except OSError:  # gone, or a full or read-only disk: a diagnostic never stops a worker
+    except (OSError, ValueError, IndexError, AttributeError):
         pass
 
 

@@ -225,6 +225,7 @@ class Trainer:
             raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
                                  f"and devices {cfg.data.devices}")
         self.resident = None  # the training volumes on the device (data.resident), loaded when the loop starts
+        self.on_device: bool | None = None  # whether this run crops resident volumes: decided once (wants_resident)
         if data.loader_workers(cfg.data.workers) > 0:
             procs.worker_context(cfg.data.start_method)  # the loader's process server preloads while the model builds
         self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
@@ -271,6 +272,7 @@ class Trainer:
             "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
             "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(),
             "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
+            "resident": self.on_device,
         })
 
     def _maybe_resume(self, ckpt: str | None) -> str | None:
@@ -294,6 +296,8 @@ class Trainer:
         self.skipped.copy_(st["skipped_updates"])
         self.skip_run.copy_(st.get("consecutive_skips", torch.zeros(())))  # absent before the lockout bound
         checkpoint.set_rng_state(st["rng"])
+        self.on_device = resident.on_resume(self.cfg.data.resident, st.get("resident"), self.rt.device,
+                                            print if self.rt.is_master else lambda _: None)
         return uri
 
     def _resume_position(self, uri: str, st: dict) -> int:
@@ -380,8 +384,13 @@ class Trainer:
         return {"x": x, **batch}
 
     def wants_resident(self) -> bool:
-        d = self.cfg.data
-        return self.rt.kind != "xla" and resident.wanted(d.resident, self.rt.device, self.rows, d.stride)
+        """`data.resident`, decided once per run and kept in its checkpoints (resident.on_resume):
+        resident only when every process's volumes fit (Runtime.all_true), so no rank takes the
+        other path, whose crops differ."""
+        if self.on_device is None:
+            d = self.cfg.data
+            self.on_device = self.rt.all_true(resident.wanted(d.resident, self.rt.device, self.rows, d.stride))
+        return self.on_device
 
     def load_resident(self, progress: bool) -> None:
         d = self.cfg.data

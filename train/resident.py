@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from octfm.cli import UsageError
 from train import data
 
 FREE_SHARE = 0.2  # `auto`: the volumes may take this share of the device's free memory
@@ -28,14 +29,42 @@ def strided_bytes(rows: list[dict], stride) -> int:
 
 
 def wanted(mode: str, device: torch.device, rows: list[dict], stride) -> bool:
-    """`data.resident`: "always" on any device, "never" never, "auto" on CUDA when the strided
-    volumes take at most FREE_SHARE of the free device memory."""
+    """`data.resident`: "always" on the CPU or CUDA, "never" never, "auto" on CUDA when the strided
+    volumes take at most FREE_SHARE of this process's free device memory (Trainer.wants_resident
+    makes every process agree). "always" on XLA is refused (not_on_xla)."""
     if mode == "always":
+        not_on_xla(device, "data.resident=always")
         return True
     if mode == "never" or device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
     return strided_bytes(rows, stride) <= FREE_SHARE * free
+
+
+def not_on_xla(device: torch.device, what: str) -> None:
+    """Refuse resident volumes on XLA: the crop was built and tested for one process's device, not
+    for SPMD, where the loader shards every batch tensor over the hosts' mesh and each host would
+    hold every volume; `data.resident: never` keeps the production loader."""
+    if device.type == "xla":
+        raise UsageError(f"{what}: resident volumes are not supported on XLA (the device crop is not built for "
+                         "SPMD's sharded batches); set data.resident=never")
+
+
+def on_resume(mode: str, recorded: bool | None, device: torch.device, say) -> bool | None:
+    """The path a resume takes, from the one the checkpoint's run took (`recorded`; None in a
+    checkpoint from before it was recorded): kept under `auto`, since the two paths draw different
+    crops for one (seed, epoch, index) (MONAI in the workers, draw_box here) and a resume on the
+    other would not be exact; None (decide now) under `always` or `never`, which the user set, said
+    through `say` when it changes the path."""
+    if mode == "auto" or recorded is None:
+        if recorded:
+            not_on_xla(device, "this run's checkpoints were made with resident volumes (data.resident)")
+        return recorded
+    if (mode == "always") != recorded:
+        say(f"resume: data.resident={mode}, but the run so far "
+            f"{'cut its crops from resident volumes' if recorded else 'cropped in the loader'}: its crops from here "
+            "differ from an uninterrupted run's")
+    return None
 
 
 class ResidentVolumes:

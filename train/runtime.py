@@ -84,6 +84,15 @@ class Runtime:
             t /= self.world
         return t
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process (a MIN all-reduce under DDP): one choice that every
+        rank must take alike, from what each sees of its own device. Every process must call it."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor(int(flag), device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
     def to_device(self, batch: dict) -> dict:
         if self.kind == "xla":
             return batch  # MpDeviceLoader already placed (and sharded) it
