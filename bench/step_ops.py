@@ -66,7 +66,7 @@ def _first_dtype(e) -> str | None:
     return types[0] if types else None
 
 
-def measure(config_path: str, overrides: list[str], steps: int = 2) -> dict:
+def count_step(config_path: str, overrides: list[str], steps: int = 2) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("overrides", nargs="*", help="key=value (data.cache=... is needed)")
     a = ap.parse_args(argv)
-    print(json.dumps(measure(a.config, a.overrides, a.steps)))
+    print(json.dumps(count_step(a.config, a.overrides, a.steps)))
     return 0
 
 

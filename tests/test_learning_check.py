@@ -504,14 +504,20 @@ def test_every_file_a_kept_results_code_imports_keys_it():
             if os.fork() == 0:
                 try:
                     importlib.import_module(entry[:-3].replace("/", "."))
-                    files = sorted(os.path.relpath(m.__file__) for m in list(sys.modules.values())
-                                   if os.path.isabs(getattr(m, "__file__", None) or "")
-                                   and m.__file__.startswith(os.getcwd() + os.sep))
+                    files = sorted(rel for rel in (os.path.relpath(m.__file__) for m in list(sys.modules.values())
+                                                   if os.path.isabs(getattr(m, "__file__", None) or "")
+                                                   and m.__file__.startswith(os.getcwd() + os.sep))
+                                   if rel.split(os.sep)[0] in PACKAGES)  # not a venv inside the checkout
                     print(json.dumps([entry, files]), flush=True)
                 finally:
                     os._exit(0)
             os.wait()
     """
+    import tomllib
+
+    packages = [p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]]
+    code = code.replace("PACKAGES", repr(set(packages)))
     out = subprocess.run([sys.executable, "-c", code, *entries], cwd=REPO, capture_output=True, text=True, check=True)
     loaded = dict(json.loads(line) for line in out.stdout.splitlines())
     assert set(loaded) == set(entries) and all(entry in files for entry, files in loaded.items())
