@@ -7,9 +7,10 @@ Three numbers, each a balanced accuracy on the binary `diabetic` task:
   5 folds over participants: must be at chance, or the cue is not local;
 - a hand-made blob counter (lesions brighter or darker than their en-face neighbourhood) in the
   same regression: what a reader who knows where to look gets;
-- the learning check's supervised reference (`evals/supervised.py`: the config's encoder
-  trained end to end on the labels, as `make learning-check` trains it), scored with its own
-  head on centre crops of the train split (first 400) and of val.
+- a supervised reference: the config's encoder trained from scratch on the labels by `make
+  finetune`'s loop (evals/finetune.py, configs/finetune.yaml's recipe over the screen's step
+  budget, the last state kept), scored with its own head on centre crops of the train split
+  (first 400) and of val.
 
 `--plant AMP` adds a bright cube (+AMP grey levels, 8 x 16 x 16 voxels, at a random place) to
 every positive training crop: a cue any encoder should learn, which tells "this encoder cannot
@@ -34,12 +35,13 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from cache import store
-from evals import probe, supervised
-from evals.features import checkpoint_encoder
+from evals import finetune, probe
+from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio
-from train import checkpoint, data, encoder
+from train import data, runtime
 from train.config import TrainConfig
+from train.model import Encoder
 
 TASK = "diabetic"
 QUALIFY = {"supervised_val": 0.65, "global_below": 0.58}  # decision 2's bar
@@ -114,7 +116,7 @@ def plant_cube(x: torch.Tensor, amp: int, seed) -> torch.Tensor:
     return out.clamp_(0, 255).to(torch.uint8)
 
 
-class Planted(supervised.Labelled):
+class Planted(finetune.Labelled):
     """Labelled crops with a bright cube in every positive one (placed from the key, so runs repeat)."""
 
     def __init__(self, ds, y, amp: int):
@@ -128,24 +130,39 @@ class Planted(supervised.Labelled):
         return item
 
 
-def own_head_scores(ckpt: str, cfg: TrainConfig, cap: int = 400, plant: int = 0) -> dict:
-    """The supervised checkpoint's own head on centre crops: train (first `cap`) and val
-    (with `plant`, every positive volume carries the cube too, so the score reads the cue)."""
-    enc, _, _ = checkpoint_encoder(ckpt)
-    st = checkpoint.load(ckpt)
-    head = torch.nn.Linear(cfg.model.dim, TASKS[TASK]["classes"])
-    head.load_state_dict(st["head"])
+def reference(cfg: TrainConfig, out: Path, steps: int, plant: int, progress: bool) -> finetune.Finetuner:
+    """The config's encoder from scratch, trained `steps` optimizer steps on every labelled train row
+    (with `plant`, positive crops carry the cube), scored on val once, at the end, so the state kept
+    is the last one."""
+    ft_cfg = config.load(FinetuneConfig, "configs/finetune.yaml", [
+        "init=random", f"task={TASK}", f"out={out}", f"cache={cfg.data.cache}", f"device={cfg.device}",
+        f"precision={cfg.precision}", "epochs=100000", f"max_steps={steps}", f"val_every={steps}", "patience=0",
+        "workers=0", "log_every=50"])
+    rt = runtime.setup(ft_cfg.device, ft_cfg.precision)
+    torch.manual_seed(ft_cfg.seed)
+    enc = Encoder(cfg.model, cfg.data.input_shape)
+    ident = {"init": "random", "seed": ft_cfg.seed, "config": config.to_dict(cfg.model)}
+    wrap = functools.partial(Planted, amp=plant) if plant else None
+    ft = finetune.Finetuner(ft_cfg, rt, backbone=finetune.Backbone(enc, cfg, ident), dataset=wrap)
+    ft.run(progress=progress)
+    return ft
+
+
+def own_head_scores(ft: finetune.Finetuner, cap: int = 400, plant: int = 0) -> dict:
+    """The reference's own head on centre crops: train (first `cap`) and val (with `plant`, every
+    positive volume carries the cube too, so the score reads the cue)."""
     out = {}
     for split, n in (("train", cap), ("val", None)):
-        rows = supervised.task_rows(cfg, split)[:n]
-        y = np.array([TASKS[TASK]["map"](r["label"]) for r in rows])
+        mask = ft.split == split
+        if n is not None:
+            mask &= np.cumsum(mask) <= n
+        y = ft.y[mask]
 
         def planted(x, start):  # seeds apart from the training crops' (epoch, index) keys
             return torch.stack([plant_cube(v, plant, [2 ** 31, start + j]) if y[start + j] == 1 else v
                                 for j, v in enumerate(x)])
 
-        batches = encoder.volume_batches(cfg.data.cache, rows, cfg.data.stride, cfg.data.input_shape, 8)
-        pred = supervised.own_head_predictions(enc, head, batches, change=planted if plant else None)
+        pred = ft.predict(mask, change=planted if plant else None).argmax(1)
         out[split] = float(balanced_accuracy_score(y, pred))
     return out
 
@@ -160,9 +177,8 @@ def screen(cache: str, out: Path, config_path: str, overrides: Sequence[str], st
         res["statistics_s"] = round(time.perf_counter() - t0, 1)
     steps = steps or cfg.max_steps
     t0 = time.perf_counter()
-    wrap = functools.partial(Planted, amp=plant) if plant else supervised.Labelled
-    ckpt = supervised.train(cfg, TASK, str(out / "checkpoints"), steps, progress=progress, dataset=wrap)
-    res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ckpt, cfg, plant=plant)}
+    ft = reference(cfg, out, steps, plant, progress)
+    res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ft, plant=plant)}
     res["verdict"] = verdict(res)
     out.mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_bytes(str(out / "screen.json"), json.dumps(res, indent=2).encode())

@@ -69,17 +69,20 @@ class FinetuneConfig:
                                        # encoder's features and chosen on val (LP-FT, decision 38: not adopted)
     weight_decay: float = 0.05         # on weights, not on biases and norms
     warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
+    warmup_fraction: float | None = None  # the warmup as a share of the run's optimizer steps (replaces warmup_epochs)
     frozen_epochs: int = 5             # head only (encoder frozen, in eval mode) for these first epochs
     class_weight: bool = True          # balanced cross-entropy
     label_smoothing: float = 0.1
     drop_path: float = 0.1             # stochastic depth, 0 at the first block to this at the last
-    patience: int = 10                 # stop after this many epochs without a better val score (counted after the
+    patience: int = 10                 # stop after this many val scores without a better one (counted after the
                                        # frozen epochs and the warmup); 0: never
+    val_every: int = 0                 # optimizer steps between val scores; 0: at the end of each epoch (a batch of
+                                       # 128 takes a 10% label fraction's epoch in one or two steps)
     augment: bool = True               # the pretraining crop (data.scale), flip and intensity jitter
     scale: tuple[float, float] | None = None   # None: the encoder's own data.scale
     grad_clip: float = 1.0
     eval_batch: int = 8
-    workers: int = 2
+    workers: int | None = 2            # loader processes; None: the cores less one, as pretraining (data.loader_workers)
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     precision: Literal["fp32", "bf16"] = "bf16"
     bootstrap: int = 1000
@@ -96,5 +99,9 @@ class FinetuneConfig:
             raise FieldError("layer_decay", f"{self.layer_decay}: needs 0 < layer_decay <= 1")
         if self.frozen_epochs > self.epochs:
             raise FieldError("frozen_epochs", f"{self.frozen_epochs} is more than epochs={self.epochs}")
+        if self.val_every < 0:
+            raise FieldError("val_every", f"{self.val_every}: needs 0 (each epoch) or a number of steps")
+        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
+            raise FieldError("warmup_fraction", f"{self.warmup_fraction}: needs 0 <= warmup_fraction < 1")
         if self.head == "auto" and self.head_init != "probe":
             raise FieldError("head", "auto chooses among fitted probes: it needs head_init: probe")

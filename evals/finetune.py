@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from evals import check_probes, features, probe, probe_heads, subsets, supervised
+from evals import check_probes, features, probe, probe_heads, subsets
 from evals import probe_metrics as pm
 from evals.config import FinetuneConfig, ProbeConfig
 from manifests.aireadi import TASKS
@@ -103,6 +103,20 @@ def folder_encoder(folder: str) -> tuple[Encoder, TrainConfig, dict]:
     return module.encoder, tcfg, {"model_folder": str(folder), **checkpoint.identity(str(Path(folder) / encoder.WEIGHTS_FILE))}
 
 
+class Labelled(Dataset):
+    """The training dataset's crop and flip of a row (data.CacheDataset, no masks), with its class."""
+
+    def __init__(self, ds: data.CacheDataset, y: list[int]):
+        self.ds, self.y = ds, y
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, key) -> dict:
+        item = self.ds[key]
+        return {"x": item["x"], "aug": item["aug"], "y": torch.tensor(self.y[key[1]])}  # a tensor: XLA's loader shards it
+
+
 class Classifier(nn.Module):
     """Encoder + one probe head (evals/probe_heads.py) over its pooled vector or pooled token grid."""
 
@@ -170,6 +184,12 @@ def budget_epochs(cfg: FinetuneConfig, per_epoch: int) -> int:
     return max(min(cfg.frozen_epochs + 1, cfg.epochs), min(cfg.epochs, -(-cfg.max_steps // max(1, per_epoch))))
 
 
+def epochs_of(step: int, per_epoch: int) -> int | float:
+    """Optimizer steps as epochs: a whole number at an epoch's end, else to two decimals."""
+    e = step / per_epoch
+    return int(e) if e == int(e) else round(e, 2)
+
+
 def run_dir(cfg: FinetuneConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
@@ -190,14 +210,17 @@ def training_rows(cfg: FinetuneConfig, cache: str) -> tuple[list[dict], np.ndarr
 class Finetuner:
     """The state a checkpoint captures (model, optimizer, epoch, the best val score so far); `run` is the loop."""
 
-    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime):
+    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None,
+                 dataset=None):
+        """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`); `dataset(ds, y)`:
+        wraps the labelled crops (default Labelled; evals/cohort_screen.py plants a cue with it)."""
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
-        self.cfg, self.rt = cfg, rt
+        self.cfg, self.rt, self.dataset = cfg, rt, dataset or Labelled
         # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
         checkpoint.require_shared(str(run_dir(cfg)), rt.hosts, key="out")
         self.spec = TASKS[cfg.task]
-        bb = load_backbone(cfg)
+        bb = backbone or load_backbone(cfg)
         scale = tuple(cfg.scale) if cfg.scale is not None else tuple(bb.train_config.data.scale)
         self.tcfg = dataclasses.replace(bb.train_config, data=dataclasses.replace(
             bb.train_config.data, scale=scale, workers=cfg.workers))
@@ -231,10 +254,14 @@ class Finetuner:
                                       for g, lr in zip(self.groups, self.lrs)], lr=self.lrs[0], **optimizer_flags(rt.kind))
         self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]).to(rt.device)
                        if cfg.class_weight else None)
-        per_epoch = data.EpochSampler(int(self.train.sum()), cfg.batch_size, world=rt.world).batches_per_epoch
-        self.epochs = budget_epochs(cfg, per_epoch)
+        # a small cohort's label fraction can hold fewer rows than a batch (a GPU-size smoke run: about 50 rows at
+        # batch 128): the run takes them all as its batch rather than no step at all
+        self.batch = max(1, min(cfg.batch_size, int(self.train.sum()) // rt.world))
+        self.per_epoch = data.EpochSampler(int(self.train.sum()), self.batch, world=rt.world).batches_per_epoch
+        self.epochs = budget_epochs(cfg, self.per_epoch)
+        self.total = self.epochs * self.per_epoch  # optimizer steps
         self.skipped = torch.zeros((), device=rt.device)  # updates refused for a non-finite loss or gradient
-        self.epoch, self.step, self.best, self.stale = 0, 0, None, 0
+        self.epoch, self.step, self.best, self.stale = 0, 0, None, 0  # epoch: whole epochs trained
         self.history: list[dict] = []
         self.resumed = self._resume(*saved) if saved is not None else None
 
@@ -287,9 +314,14 @@ class Finetuner:
         """What the weights depend on: a resume under other settings is refused."""
         return {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
 
+    def position(self) -> int:
+        """Where the run is, in the unit it is scored at: whole epochs, or with `val_every` optimizer
+        steps (a checkpoint's number, and the best one's `best_epoch` or `best_step`)."""
+        return self.step if self.cfg.val_every else self.epoch
+
     def state(self, best: bool = False) -> dict:
         st = {"config": config.to_dict(self.tcfg), "target": to_cpu(self.model.encoder.state_dict()),
-              "head": to_cpu(self.model.head.state_dict()), "step": self.epoch,
+              "head": to_cpu(self.model.head.state_dict()), "step": self.position(),
               "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.kind,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
                            "from": self.ident, "best": self.best, "head_fit": self.head_fit}}
@@ -316,7 +348,8 @@ class Finetuner:
         self.model.encoder.load_state_dict(st["target"])
         self.model.head.load_state_dict(st["head"])
         load_optimizer(self.opt, st["optimizer"], self.lrs)
-        self.epoch, self.step = int(st["step"]), int(st["train_step"])
+        self.step = int(st["train_step"])
+        self.epoch = self.step // self.per_epoch
         self.best, self.history = st["finetune"]["best"], list(st["history"])
         self.stale = self.recount_stale()  # not the saved count: a run saved under an older rule resumes under this one
         self.skipped.copy_(st.get("skipped_updates", torch.zeros(())))  # absent before the guard
@@ -324,7 +357,7 @@ class Finetuner:
 
     def save(self) -> None:
         if self.rt.is_master:
-            checkpoint.save(self.state(), self.ckpt_dir, self.epoch, keep_last=1)
+            checkpoint.save(self.state(), self.ckpt_dir, self.position(), keep_last=1)
         self.rt.barrier()
 
     def save_best(self) -> None:
@@ -333,16 +366,17 @@ class Finetuner:
         self.rt.barrier()
 
     # ------------------------------------------------------------ data and steps
-    def loader(self, start_epoch: int):
+    def loader(self, start_step: int):
+        """(batches per epoch, the loader from optimizer step `start_step` to the budget's end)."""
         cfg, rows = self.cfg, [r for r, t in zip(self.rows, self.train) if t]
         y = [int(v) for v in self.y[self.train]]
         ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, training_seed(cfg), augment=cfg.augment)
-        per_epoch = data.EpochSampler(len(rows), cfg.batch_size, world=self.rt.world).batches_per_epoch
-        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, training_seed(cfg), True,
-                                    start_epoch * per_epoch, self.epochs * per_epoch)
-        kw = {"num_workers": cfg.workers, "persistent_workers": True,
-              "multiprocessing_context": procs.worker_context(self.tcfg.data.start_method)} if cfg.workers > 0 else {}
-        dl = DataLoader(supervised.Labelled(ds, y), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+        sampler = data.EpochSampler(len(rows), self.batch, self.rt.rank, self.rt.world, training_seed(cfg), True,
+                                    start_step, self.total)
+        workers = data.loader_workers(cfg.workers)
+        kw = {"num_workers": workers, "persistent_workers": True,
+              "multiprocessing_context": procs.worker_context(self.tcfg.data.start_method)} if workers > 0 else {}
+        dl = DataLoader(self.dataset(ds, y), batch_size=self.batch, sampler=sampler, drop_last=True,
                         pin_memory=self.rt.kind == "cuda", **kw)
         return sampler.batches_per_epoch, dl
 
@@ -372,12 +406,16 @@ class Finetuner:
         return loss.detach()
 
     @torch.no_grad()
-    def predict(self, mask: np.ndarray) -> np.ndarray:
+    def predict(self, mask: np.ndarray, change=None) -> np.ndarray:
         """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
-        them). Leaves the model in eval mode: each epoch starts with set_phase."""
+        them). `change(x, start)` edits each uint8 batch first, `start` its first row's index among the
+        masked rows (evals/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the
+        loop calls set_phase after a score)."""
         self.model.eval()
-        out = []
+        out, start = [], 0
         for x, n in self.inputs(mask):
+            x = x if change is None else change(x, start)
+            start += n
             x = x.to(self.rt.device)
             with self.rt.autocast():
                 logits = self.model(data.normalize(x))
@@ -399,7 +437,8 @@ class Finetuner:
         va = self.split == "val"
         prob = self.predict(va)
         k = self.spec["classes"]
-        return {"epoch": self.epoch, "step": self.step, "balanced_accuracy": pm.balanced_accuracy(self.y[va], prob.argmax(1), k),
+        return {"epoch": epochs_of(self.step, self.per_epoch), "step": self.step,
+                "balanced_accuracy": pm.balanced_accuracy(self.y[va], prob.argmax(1), k),
                 "auroc": pm.macro_auroc(self.y[va], prob)}
 
     # ------------------------------------------------------------ the loop
@@ -410,23 +449,30 @@ class Finetuner:
             fsio.atomic_write_bytes(str(self.folder.finetune), json.dumps(config.to_dict(cfg), indent=1).encode())
         log = metrics.MetricsLog(self.folder.root, rt.is_master, cfg.wandb, config.to_dict(cfg))
         try:
-            if self.epoch < self.epochs and not self.stopped():
+            if self.step < self.total and not self.stopped():
                 self._loop(log, progress)
         finally:
             log.close()
         return self.finish()
 
-    def spends_patience(self, epoch: int) -> bool:
-        """Whether epoch `epoch` (1-based, just validated) without a better score counts toward
-        `patience`: not in the frozen epochs nor in the encoder's warmup after them, where it
-        cannot improve yet (decision 31: counting them stopped the layers cue's fine-tuning at 10%
-        6 epochs after the thaw), and not in the first half of the run's epochs (decision 35: a
-        random-init encoder at 10% of labels left chance only after epoch 20 of 40, where
-        patience had stopped it; docs/learning-check.md)."""
-        return epoch > max(self.cfg.frozen_epochs + math.ceil(self.cfg.warmup_epochs), math.ceil(self.epochs / 2))
+    def spends_patience(self, epoch: float) -> bool:
+        """Whether a val score at `epoch` (epochs trained, a fraction with `val_every`) without a
+        better one counts toward `patience`: not in the frozen epochs nor in the encoder's warmup
+        after them, where it cannot improve yet (decision 31: counting them stopped the layers cue's
+        fine-tuning at 10% 6 epochs after the thaw), and not in the first half of the run's epochs
+        (decision 35: a random-init encoder at 10% of labels left chance only after epoch 20 of 40,
+        where patience had stopped it; docs/learning-check.md)."""
+        warmup = self.warmup_steps() / self.per_epoch if self.cfg.warmup_fraction is not None \
+            else math.ceil(self.cfg.warmup_epochs)
+        return epoch > max(self.cfg.frozen_epochs + warmup, math.ceil(self.total / self.per_epoch / 2))
+
+    def warmup_steps(self) -> int:
+        cfg = self.cfg
+        return round(cfg.warmup_fraction * self.total) if cfg.warmup_fraction is not None \
+            else round(cfg.warmup_epochs * self.per_epoch)
 
     def recount_stale(self) -> int:
-        """The validated epochs after the best one that spend patience (spends_patience), from the
+        """The val scores after the best one that spend patience (spends_patience), from the
         history: what the loop's running count is under today's rule."""
         best = self.best["epoch"] if self.best else 0
         return sum(1 for h in self.history if h["epoch"] > best and self.spends_patience(h["epoch"]))
@@ -434,10 +480,16 @@ class Finetuner:
     def stopped(self) -> bool:
         return bool(self.cfg.patience) and self.stale >= self.cfg.patience
 
+    def scored_now(self) -> bool:
+        """A val score after this step: at each epoch's end, or every `val_every` steps; and at the
+        budget's end whatever the unit."""
+        every = self.cfg.val_every or self.per_epoch
+        return self.step % every == 0 or self.step == self.total
+
     def _loop(self, log: metrics.MetricsLog, progress: bool) -> None:
-        cfg, rt = self.cfg, self.rt
-        per_epoch, dl = self.loader(self.epoch)
-        total, warmup = self.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
+        cfg, rt, per_epoch, total = self.cfg, self.rt, self.per_epoch, self.total
+        _, dl = self.loader(self.step)
+        warmup = self.warmup_steps()
         thawed_at = cfg.frozen_epochs * per_epoch  # the encoder's first step: its warmup starts there
         it = iter(rt.loader(dl))
         clock = torch.zeros((), device=rt.device)  # the step the schedule reads, kept on the device
@@ -445,44 +497,50 @@ class Finetuner:
         bar = tqdm(total=total, initial=self.step, desc=f"finetune {cfg.task} ({cfg.init})", unit="step",
                    disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
         try:
-            net, phase = None, None
-            while self.epoch < self.epochs and not self.stopped():
-                self.set_phase(self.epoch)
+            net, phase, losses = None, None, []
+            self.set_phase(self.epoch)
+            while self.step < total and not self.stopped():
                 if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
                     net = None
+                    self.set_phase(self.epoch)
                     net, phase = self.rt.wrap(self.model), self.frozen(self.epoch)
-                torch.manual_seed(training_seed(cfg) * 1000003 + self.epoch)  # stochastic depth: the same on a resume
-                losses = []
-                for _ in range(per_epoch):
-                    f = lr_factor(clock, total, warmup)  # on the device: no host copy per step
-                    f_enc = f * thaw_ramp(clock, thawed_at, warmup)
-                    for g, lr in zip(self.groups, self.lrs):
-                        lr.copy_(g["peak_lr"] * (f_enc if g["encoder"] else f))
-                    clock.add_(1)
-                    losses.append(self.update(net, rt.to_device(next(it))))
-                    rt.sync()
-                    self.step += 1
-                    bar.update(1)
-                    if self.step % cfg.log_every == 0:
-                        log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": float(f)})
-                self.epoch += 1
-                v = self.validate()
-                v["loss"] = float(torch.stack(losses).mean())
-                if rt.kind == "xla":
-                    v.update(xla_compiles())  # per epoch: a graph that changes with the epoch would show here
-                self.history.append(v)
-                log.log(v, prefix="val")
-                if self.best is None or probe.val_rank(v["balanced_accuracy"], v["auroc"]) > \
-                        probe.val_rank(self.best["balanced_accuracy"], self.best["auroc"]):
-                    self.best, self.stale = v, 0
-                    self.save_best()
-                elif self.spends_patience(self.epoch):
-                    self.stale += 1
-                bar.set_postfix(loss=f"{v['loss']:.3f}", val_bal_acc=f"{v['balanced_accuracy']:.3f}",
-                                best_epoch=self.best["epoch"], refresh=False)
-                self.save()
+                torch.manual_seed(training_seed(cfg) * 1000003 + self.step)  # stochastic depth: the same on a resume
+                f = lr_factor(clock, total, warmup)  # on the device: no host copy per step
+                f_enc = f * thaw_ramp(clock, thawed_at, warmup)
+                for g, lr in zip(self.groups, self.lrs):
+                    lr.copy_(g["peak_lr"] * (f_enc if g["encoder"] else f))
+                clock.add_(1)
+                losses.append(self.update(net, rt.to_device(next(it))))
+                rt.sync()
+                self.step += 1
+                self.epoch = self.step // per_epoch
+                bar.update(1)
+                if self.step % cfg.log_every == 0:
+                    log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": float(f)})
+                if self.scored_now():
+                    self.score(log, losses, bar)
+                    losses = []
+                    self.set_phase(self.epoch)  # predict() left the model in eval mode
         finally:
             bar.close()
+
+    def score(self, log: metrics.MetricsLog, losses: list, bar) -> None:
+        """Score on val, keep the best state, spend patience, save the run."""
+        v = self.validate()
+        v["loss"] = float(torch.stack(losses).mean())
+        if self.rt.kind == "xla":
+            v.update(xla_compiles())  # per score: a graph that changes with the epoch would show here
+        self.history.append(v)
+        log.log(v, prefix="val")
+        if self.best is None or probe.val_rank(v["balanced_accuracy"], v["auroc"]) > \
+                probe.val_rank(self.best["balanced_accuracy"], self.best["auroc"]):
+            self.best, self.stale = v, 0
+            self.save_best()
+        elif self.spends_patience(v["epoch"]):
+            self.stale += 1
+        bar.set_postfix(loss=f"{v['loss']:.3f}", val_bal_acc=f"{v['balanced_accuracy']:.3f}",
+                        best_epoch=self.best["epoch"], refresh=False)
+        self.save()
 
     # ------------------------------------------------------------ results
     def finish(self) -> dict:
@@ -500,7 +558,8 @@ class Finetuner:
         name = f"finetuned_{self.cfg.init}"
         res = {"encoder": name, "head": self.kind, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
                "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
-               "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["step"], "head_fit": self.head_fit,
+               "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["finetune"]["best"]["epoch"],
+               "best_step": best["finetune"]["best"].get("step"), "head_fit": self.head_fit,
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
                "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
         result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,
@@ -508,7 +567,7 @@ class Finetuner:
                                             minlength=k).tolist() for s in ("train", "val", "test")},
                   "per_device": {self.kind: {d: probe.evaluate(prob, self.y, groups, test & (devices == d), k, self.cfg)
                                                  for d in sorted(set(devices[test]))}},
-                  "plotted_head": self.kind, "from": self.ident, "epochs_run": self.epoch,
+                  "plotted_head": self.kind, "from": self.ident, "epochs_run": epochs_of(self.step, self.per_epoch),
                   "history": self.history, "label_fraction": self.cfg.label_fraction,
                   "train_participants": int(len(set(groups[self.train]))), "best_checkpoint": self.folder.finetuned()}
         if self.rt.is_master:

@@ -5,8 +5,9 @@ one kind of local cue: macular lesions, or the thickness of one retinal layer in
 patch; `SOURCE=` takes any AI-READI-shaped root whose participants.tsv carries labels), this
 builds the cache, pretrains the recipe (configs/pretrain_check.yaml, the production recipe at
 check size; `ARGS` overrides its keys), and probes the final checkpoint, a random-init encoder
-of the same architecture, the majority class and a supervised reference with the same heads on
-the same participants. It reports test balanced accuracy pretrained minus random-init with a
+of the same architecture, the majority class and a supervised reference (`make finetune` from
+random init: the same architecture trained on the labels) with the same heads on the same
+participants. It reports test balanced accuracy pretrained minus random-init with a
 paired bootstrap interval over participants for both tasks, label-efficiency curves (probes on
 10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
 same subsets), for `CUE=scanners` every scanner held out in turn and, with `--finetune`
@@ -33,7 +34,7 @@ import numpy as np
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from evals import check_probes, features, finetune, probe, subsets, supervised, token_probe
+from evals import check_probes, features, finetune, probe, subsets, token_probe
 from evals.config import ProbeConfig
 from ingest import synth
 from octfm import cli, config, fsio, plots, procs
@@ -71,14 +72,12 @@ CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
 @dataclasses.dataclass(frozen=True)
 class Size:
     """One size of the check (make learning-check SIZE=...): the production recipe at that size
-    (one cohort and cache for all), how its supervised references stop (decision 17: at GPU size
-    3,700 steps of 128 would be 3,000 epochs of the 10% labels; at CPU size they train them all),
-    and the references' own size keys, before ARGS (decision 28: the GPU pretraining went to 1,850
-    steps of 256, its references stay at decision 17's 3,700 of 128, the rule's steps), and how many
-    random-init encoders its random-init rows average (decision 44)."""
+    (one cohort and cache for all), the fine-tuning recipe's size keys (configs/finetune.yaml is
+    the one recipe for both starts and for the references, which are its from-scratch runs; a GPU's
+    batch of 128 needs a step budget and val scores by steps, as decision 17 set for the references
+    then), and how many random-init encoders its random-init rows average (decision 44)."""
     config: str
-    supervised_stop: supervised.Stopping = supervised.Stopping()
-    supervised_args: tuple[str, ...] = ()
+    finetune_args: tuple[str, ...] = ()
     # the references, fine-tuning runs and headline tasks at once, each in its own process (Stages.together), on
     # this many torch threads each (0: torch's default, the machine's cores); None: one after another
     together: int | None = None
@@ -88,8 +87,9 @@ class Size:
 # the CPU size at once too (decision 47): three single-thread processes run 1.5x the steps per second of one
 # process on both cores (this model's kernels are too small to use two threads well; docs/measurements.md)
 SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=1),
-         "gpu": Size("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4),
-                     ("batch_size=128", "max_steps=3700"), together=0, random_draws=5)}
+         "gpu": Size("configs/pretrain_check_gpu.yaml",
+                     ("batch_size=128", "epochs=100000", "max_steps=3700", "val_every=50", "patience=4", "workers=null"),
+                     together=0, random_draws=5)}
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
@@ -233,8 +233,8 @@ def _timed(threads: int, fn, *args):
 COHORT_CODE = ("ingest/synth.py",)
 # `make pretrain`, and the cache builder: a run is named for its cache's path, not its contents (recipe_name)
 PRETRAIN_CODE = ("train/pretrain.py", "cache/build.py")
-SUPERVISED_CODE = ("evals/supervised.py", "cache/build.py")  # the reference: the recipe's encoder on the labels
-# a fine-tuning run's folder sits under its pretraining run (keyed on PRETRAIN_CODE); its own training loop, head,
+# a fine-tuning run's folder (a supervised reference's too: its from-scratch run) sits under its pretraining run
+# (keyed on PRETRAIN_CODE); its own training loop, head,
 # participants, config defaults, the probes' fit (its fitted start, head_init: probe), the start features, the val
 # score that picks its best epoch and the labelled data key its name too, through what evals/finetune.py imports
 FINETUNE_CODE = ("evals/finetune.py",)
@@ -297,32 +297,10 @@ def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[st
     return out / name
 
 
-def supervised_ckpt(config_path: str, cache: str, out: Path, overrides: Sequence[str],
-                    participants: set[str] | None = None, tag: str = "",
-                    stop: supervised.Stopping = supervised.Stopping(), progress: bool = True) -> str:
-    """The supervised reference (evals/supervised.py): the recipe's encoder trained on the
-    binary task's labels (of these participants, for a label fraction) for as many steps as
-    pretraining takes, or until `stop` ends it on val (the size's rule)."""
-    cfg = config.load(TrainConfig, config_path, [*overrides, f"data.cache={cache}"])
-    name = supervised_name(config_path, cache, overrides, participants, tag + stop.tag)
-    return supervised.train(cfg, BINARY, str(out / name / "checkpoints"), cfg.max_steps, participants=participants,
-                            stop=stop, progress=progress)
-
-
-def supervised_name(config_path: str, cache: str, overrides: Sequence[str], participants: set[str] | None,
-                    tag: str = "") -> str:
-    """The reference's run name: the recipe, cache and code, and for a label fraction the digest of
-    its participants (they depend on the probe seed), so a reference is reused only for the
-    very participants it was trained on."""
-    name = recipe_name(config_path, cache, overrides, SUPERVISED_CODE).replace("pretrain_", "supervised_") + tag
-    if participants is None:
-        return name
-    return name + "_" + hashlib.sha256("\n".join(sorted(participants)).encode()).hexdigest()[:8]
-
-
 class Tuned(NamedTuple):
     prob: np.ndarray   # the best epoch's class probabilities for the check's rows
     run: dict          # best epoch, epochs run and val balanced accuracy per epoch (result.json's finetune.runs)
+    ckpt: str          # the best epoch's checkpoint (a reference's frozen features read its encoder)
 
 
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
@@ -334,7 +312,7 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
     training alone on the same participants. Returns its best epoch's class probabilities for `rows`
     and its val curve (a lent GPU's call brings back only what the result holds)."""
-    tag = finetune_tag(init, fraction, train_seed)
+    tag = finetune_tag(init, fraction, train_seed, seed)
     cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
                               *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
                               *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
@@ -345,8 +323,10 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     top = res["probes"][0]
     return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed, "head": top["head"],
                                "head_fit": top.get("head_fit"), "best_epoch": top["best_epoch"],
-                               "epochs_run": res["epochs_run"],
-                               "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]})
+                               "best_step": top.get("best_step"), "epochs_run": res["epochs_run"],
+                               "steps_run": ft.step, "val_every": cfg.val_every, "patience": cfg.patience,
+                               "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]},
+                 res["best_checkpoint"])
 
 
 def tuned_line(run: dict) -> str:
@@ -357,10 +337,11 @@ def tuned_line(run: dict) -> str:
             f"{run['best_epoch']} of {run['epochs_run']}; " + " ".join(f"{v:.2f}" for v in run["val"]))
 
 
-def finetune_tag(init: str, fraction: float, train_seed: int | None) -> str:
-    """A fine-tuning run's folder name under its pretraining run: init, fraction, training seed
-    and the fine-tuning code (FINETUNE_CODE)."""
-    return (f"{init}_{round(fraction * 100)}pct" + ("" if train_seed is None else f"_t{train_seed}") +
+def finetune_tag(init: str, fraction: float, train_seed: int | None, seed: int = DEV_SEED) -> str:
+    """A fine-tuning run's folder name under its pretraining run: init, fraction, the seed that picks
+    its participants (a re-run with `--probe seed=N` draws others: a run is reused only for the very
+    participants it trained on), training seed and the fine-tuning code (FINETUNE_CODE)."""
+    return (f"{init}_{round(fraction * 100)}pct_s{seed}" + ("" if train_seed is None else f"_t{train_seed}") +
             "_" + code_key(FINETUNE_CODE, length=8))
 
 
@@ -403,21 +384,32 @@ def finetune_against_supervised(points: list[dict]) -> str | None:
 
 def finetune_verdict(points: list[dict]) -> str:
     """Issue 28's target at the smallest fraction: fine-tuned pretrained minus random-init >= +0.05
-    with the paired lower bound above 0, and fine-tuned >= the frozen probe with the head val chose."""
+    with the paired lower bound above 0, and fine-tuned >= the frozen probe with the head val chose;
+    then, as readings without a target, the same pair at each larger fraction (issue 64: at 10% and
+    at 100% of labels). Both starts are `make finetune` under one recipe (the random start is the
+    supervised reference)."""
     first = points[0]
     d, lo = first["pretrained_minus_random_init"]["difference"], first["pretrained_minus_random_init"]["difference_ci95"][0]
-    ft, fr = first["pretrained"]["balanced_accuracy"], first["frozen"]["balanced_accuracy"]
-    ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and ft >= fr
+    ok = d >= FINETUNE_TARGET and lo is not None and lo > 0 and \
+        first["pretrained"]["balanced_accuracy"] >= first["frozen"]["balanced_accuracy"]
+    head = (f"fine-tuning, from the checkpoint against from scratch and against the frozen probe: "
+            f"{'PASS' if ok else 'FAIL'} (target at {pct(first['fraction'])} of labels: pretrained - random-init >= "
+            f"+{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned >= frozen)")
+    return "\n".join([head, *(finetune_point_line(p) for p in points)])
+
+
+def finetune_point_line(p: dict) -> str:
+    """One fraction's fine-tuning reading: the two starts and the frozen probe, with paired intervals."""
     seeds = ""
-    if first.get("train_seeds", 1) > 1:  # the interval resamples participants for these seeds: say how the seeds spread
-        per = np.subtract(first["per_seed"]["pretrained"], first["per_seed"]["random_init"])
-        seeds = (f", mean of {first['train_seeds']} training seeds (per seed {', '.join(f'{d:+.3f}' for d in per)}; "
+    if p.get("train_seeds", 1) > 1:  # the interval resamples participants for these seeds: say how the seeds spread
+        per = np.subtract(p["per_seed"]["pretrained"], p["per_seed"]["random_init"])
+        seeds = (f", mean of {p['train_seeds']} training seeds (per seed {', '.join(f'{d:+.3f}' for d in per)}; "
                  f"{int((per > 0).sum())} of {len(per)} above 0)")
-    return (f"fine-tuning at {pct(first['fraction'])} of labels{seeds}: {'PASS' if ok else 'FAIL'}: pretrained - random-init "
-            f"{d:+.3f} [{_f(lo)}, {_f(first['pretrained_minus_random_init']['difference_ci95'][1])}] "
-            f"({ft:.3f} vs {first['random_init']['balanced_accuracy']:.3f}); fine-tuned {ft:.3f} vs frozen "
-            f"probe (head chosen on val) {fr:.3f}; target >= +{FINETUNE_TARGET:.2f} with the interval above 0, and fine-tuned "
-            f">= frozen")
+    ft = p["pretrained"]["balanced_accuracy"]
+    return (f"- {pct(p['fraction'])} of labels{seeds}: fine-tuned {ft:.3f}, from scratch "
+            f"{p['random_init']['balanced_accuracy']:.3f}, frozen probe (head chosen on val) "
+            f"{p['frozen']['balanced_accuracy']:.3f}; pretrained - random-init {_diff(p['pretrained_minus_random_init'])}, "
+            f"fine-tuned - frozen {_diff(p['finetuned_minus_frozen'])}")
 
 
 def chosen_on_val(res: dict, encoder: str) -> str:
@@ -465,10 +457,8 @@ def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
         # `--reference-fraction` at larger fractions only: said, not dropped, and no FAIL from it
         return True, f"at {pct(first['fraction'])} of labels no supervised reference: the label-efficiency target not read"
     p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
-    stopped = (", the supervised references stopped on val: decision 17"
-               if (result.get("supervised_stop") or {}).get("every") else "")
     return p >= s, (f"at {pct(first['fraction'])} of labels pretrained {p:.3f} vs supervised {s:.3f} "
-                    f"(target: pretrained >= supervised{stopped})")
+                    f"(target: pretrained >= supervised)")
 
 
 def verdict(result: dict) -> str:
@@ -550,9 +540,10 @@ def markdown(result: dict) -> str:
         return "\n".join(lines + [result["interim"] + ".", ""])
     ref = result.get("supervised_reference")
     if ref:
-        lines += ["Supervised reference: the same encoder trained on the diabetic labels of the train split for as "
-                  "many steps, or until val stops it (it sees labels that pretraining never does), probed like the pretrained one. It "
-                  "measures how far label-aware features of this architecture get on this cohort.", "",
+        lines += ["Supervised reference: the same encoder trained from scratch on the diabetic labels of the train split "
+                  "(`make finetune` from random init, the fine-tuning rows' recipe; it sees labels that pretraining never "
+                  "does), its frozen features probed like the pretrained one's. It measures how far label-aware features "
+                  "of this architecture get on this cohort.", "",
                   "| task | supervised (head) | random-init | supervised - random [95% CI] |", "|---|---|---|---|"]
         lines += [f"| {t} | {r['supervised']:.3f} ({r['head']}) | {r['random_init']:.3f} | {_diff(r)} |"
                   for t, r in ref.items()]
@@ -694,41 +685,36 @@ def pct(fraction: float) -> str:
     return f"{round(fraction * 100)}%"
 
 
+def reference_training(run: dict) -> dict:
+    """How a reference (its from-scratch fine-tuning run, Tuned.run) trained, for result.json."""
+    keys = ("best_epoch", "best_step", "epochs_run", "steps_run", "val_every", "patience", "head")
+    return {k: run[k] for k in keys if k in run} | {"best_val_balanced_accuracy": max(run["val"], default=None)}
+
+
 def reference_training_line(training: dict) -> str:
-    """How each supervised reference trained, from supervised_features' records."""
+    """How each supervised reference trained, from reference_training's records."""
     if not training:
         return ""
 
     def one(frac: str, t: dict) -> str:
-        if "stopped_at" not in t:
-            return f"{frac} of labels {t['steps_trained']} steps"
-        return (f"{frac} of labels best val {t['best_val_balanced_accuracy']:.3f} at step {t['best_step']}, "
-                f"stopped at {t['stopped_at']}")
-    stop = next((t for t in training.values() if "val_every" in t), None)
-    rule = (f" (stopping on val, decision 17: scored every {stop['val_every']} steps, patience {stop['patience']})"
-            if stop else "")
-    return "Reference training" + rule + ": " + "; ".join(one(f, t) for f, t in training.items()) + "."
+        where = f"step {t['best_step']}" if t.get("val_every") else f"epoch {t['best_epoch']}"
+        best = t.get("best_val_balanced_accuracy")
+        return (f"{frac} of labels {t['steps_run']} steps ({t['epochs_run']} epochs), best val "
+                f"{'-' if best is None else f'{best:.3f}'} at {where}")
+    return ("Reference training (make finetune from random init, configs/finetune.yaml with the size's keys; the best "
+            "val score's state kept): " + "; ".join(one(f, t) for f, t in training.items()) + ".")
 
 
 def supervised_features(pcfg: ProbeConfig, ckpts: dict, probe_dir: Path) -> dict:
-    """{fraction: (features, how it trained)} of the supervised checkpoints ({fraction: ckpt}), their
-    encoders read in one pass over the cache (no random-init baseline: the check has it). How it
-    trained: its steps and, where it stopped on val (decision 17), the best step, where it stopped
-    and the best val score."""
-    read = {frac: checkpoint.load_named(ckpt) for frac, ckpt in ckpts.items()}
-    states = {frac: st for frac, (_, st) in read.items()}
+    """{fraction: features} of the references' best checkpoints ({fraction: ckpt}), their encoders
+    read in one pass over the cache (no random-init baseline: the check has it)."""
     encoders, tcfg = {}, None
-    for frac, (path, st) in read.items():
+    for frac, ckpt in ckpts.items():
+        path, st = checkpoint.load_named(ckpt)
         enc, tcfg, ident = features.checkpoint_encoder(path, state=st)
         encoders[pct(frac)] = (enc, ident)
     feats = probe.encoder_features(dataclasses.replace(pcfg, baselines=False), encoders, tcfg, probe_dir)["feats"]
-    keys = ("best_step", "stopped_at", "best_val_balanced_accuracy", "val_every", "patience")
-    out = {}
-    for frac, st in states.items():
-        meta = st["supervised"]
-        out[frac] = feats[pct(frac)], {"steps_trained": meta.get("stopped_at", st["step"]),
-                                        **{k: meta[k] for k in keys if k in meta}}
-    return out
+    return {frac: feats[pct(frac)] for frac in ckpts}
 
 
 def frozen_probe(fitted: dict) -> np.ndarray:
@@ -821,18 +807,18 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
-          supervised_stop: supervised.Stopping = supervised.Stopping(), supervised_args: Sequence[str] = (),
           reference_fractions: Sequence[float] | None = None, together: int | None = None,
           random_draws: int = 1) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
-    the size's, from main).
-    `supervised_args`: the references' own overrides, before `overrides` (the size's).
+    the size's, from main). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
+    run, the references' included (the size's, then the command line's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
-    of the curve's; the curve keeps its frozen rows at the others). `together` (not None): the
-    references and fine-tuning runs each in its own process at once (Stages.together), and the
-    headline's two tasks, on that many torch threads each (0: torch's default); None: one after
-    another (Size.together)."""
+    of the curve's; the curve keeps its frozen rows at the others). A reference is `make finetune`
+    from random init at its fraction: the very run the fine-tuning rows set the checkpoint against.
+    `together` (not None): the references and fine-tuning runs each in its own process at once
+    (Stages.together), and the headline's two tasks, on that many torch threads each (0: torch's
+    default); None: one after another (Size.together)."""
     spec = CUES[cue]
     stages, generated = Stages(), source is None
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
@@ -865,50 +851,47 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "random_init_seeds": probe.draw_seeds(pcfg)}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
-    people = subsets.nested_fractions(f["rows"], fractions, pcfg.seed)
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
     ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
         if with_supervised and splits else []
     tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
                  for k in range(finetune_seeds)] if splits else []
+    # a reference is the from-scratch run at its fraction (training seed k=0): one run where both want it
+    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
     # at once, the curve's own heads join them: they need no reference (curve_fits)
-    at_once = together is not None and len(ref_fracs) + len(tune_keys) > 0
+    at_once = together is not None and len(run_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
-    refs = {frac: (f"supervised reference, {pct(frac)} of labels",
-                   (supervised_ckpt, (config_path, cache, out, [*supervised_args, *overrides], people[frac],
-                                      "" if frac == 1.0 else f"_{round(frac * 100)}pct", supervised_stop, not at_once)))
-            for frac in ref_fracs}
-    tunes = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
-                               f"{pct(frac)} of labels",
-                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
-                                            pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
-                                            not at_once)))
-             for frac, init, k in tune_keys}
-    jobs = dict([*refs.values(), *tunes.values()])
+    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
+                              f"{pct(frac)} of labels",
+                              (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
+                                           pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
+                                           not at_once)))
+            for frac, init, k in run_keys}
+    jobs = dict(runs.values())
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
         mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
         jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], fractions)), **jobs}
     done = stages.together("references and fine-tuning", jobs, together) if at_once else \
         {name: stages.run(name, lambda job=job: _call(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
-    if refs:
+    if ref_fracs:
+        refs = {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs}
         read = stages.run("supervised features", lambda: supervised_features(
-            pcfg, {frac: done[name] for frac, (name, _) in refs.items()}, probe_dir))
-        for frac, (feats_f, how) in read.items():
-            sup[frac], sup_training[pct(frac)] = feats_f, how
-    for (frac, init, _), (name, _) in tunes.items():
-        tuned.setdefault(frac, {}).setdefault(init, []).append(done[name].prob)
+            pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
+        for frac, feats_f in read.items():
+            sup[frac], sup_training[pct(frac)] = feats_f, reference_training(refs[frac].run)
+    for frac, init, k in tune_keys:
+        tuned.setdefault(frac, {}).setdefault(init, []).append(done[runs[(frac, init, k)][0]].prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
                                                     tuned, head, done.get(CURVE_JOB)))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
-              "supervised_training": sup_training, "supervised_stop": dataclasses.asdict(supervised_stop),
-              "supervised_args": list(supervised_args),
+              "supervised_training": sup_training, "finetune_args": list(finetune_args),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if spec.protocol == "scanners":
         result["pretraining"] = TRANSDUCTIVE
     result["verdict"] = verdict(result)
     if "finetune" in result:
-        result["finetune"]["runs"] = [done[name].run for name, _ in tunes.values()]
+        result["finetune"]["runs"] = [done[runs[key][0]].run for key in tune_keys]
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
         result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
     if reads_tokens:  # a generated cohort's answer key
@@ -985,16 +968,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
     ap.add_argument("--no-supervised", action="store_true",
-                    help="skip the supervised reference (the same encoder trained on the labels)")
+                    help="skip the supervised references (make finetune from random init at the curve's fractions)")
     ap.add_argument("--reference-fraction", action="append", type=float, default=None, choices=FRACTIONS,
                     help="train the supervised reference at this label fraction only (repeatable; default every "
                          "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="train the supervised references and fine-tuning runs one after another (both sizes "
                          "run them at once, each in its own process; the CPU size on one thread each)")
-    ap.add_argument("--supervised-full-budget", action="store_true",
-                    help="the supervised references train all max_steps at any size (the GPU size's stop on val, "
-                         "decision 17: this measures what the stopping costs them)")
     ap.add_argument("--finetune", action="store_true",
                     help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
                          f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
@@ -1024,9 +1004,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = check(a.source, Path(a.work), Path(a.out), a.config or size.config, a.overrides, a.cue, a.seed, a.participants,
               a.bootstrap, a.probe, with_supervised=not a.no_supervised,
               finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
-              finetune_args=a.finetune_arg, finetune_seeds=a.finetune_seeds,
-              supervised_stop=supervised.Stopping() if a.supervised_full_budget else size.supervised_stop,
-              supervised_args=size.supervised_args if a.config is None else (),
+              finetune_args=[*(size.finetune_args if a.config is None else ()), *a.finetune_arg],
+              finetune_seeds=a.finetune_seeds,
               reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
               random_draws=a.random_draws or size.random_draws)
     print(markdown(r))

@@ -1,8 +1,8 @@
 """The CUDA path (marker `cuda`; skipped without a GPU; `make device-check` runs them on a lent
 H100/H200): a bf16 step through the fused attention kernels, the fused-AdamW skip deciding as
 the CPU does, the prefetcher's side-stream copies in order, compiled and eager steps agreeing,
-one fine-tuning epoch, `make embed` in bf16, the learning check's supervised reference and its
-probe heads on the GPU."""
+one fine-tuning epoch, `make embed` in bf16, the learning check's supervised reference (make finetune
+from random init) and its probe heads on the GPU."""
 from __future__ import annotations
 
 import copy
@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from conftest import run_cli, same_optimizer, same_weights, tiny_train_args
-from test_supervised import supervised_cfg
-from evals import supervised
 from octfm import config
 from train import attention, checkpoint, pretrain, runtime
 from train.config import TrainConfig
@@ -164,8 +162,12 @@ def test_make_embed_in_bf16_on_cuda(tiny_run, tmp_path):
 
 
 def test_the_reference_trains_on_the_gpu_in_bf16(tiny_cache, tmp_path, monkeypatch):
-    """On device=cuda the encoder runs there under bf16 autocast (it used to train on the CPU
-    whatever the config said: hours at the GPU size); the checkpoint is saved as CPU tensors."""
+    """The check's supervised reference is `make finetune` from random init; on device=cuda it trains
+    there under bf16 autocast, scored on val by steps as the GPU size asks (val_every), and its best
+    state is saved as CPU tensors."""
+    from evals import finetune
+    from evals.config import FinetuneConfig
+
     seen = []
     real = torch.nn.Linear.forward
 
@@ -174,14 +176,19 @@ def test_the_reference_trains_on_the_gpu_in_bf16(tiny_cache, tmp_path, monkeypat
         seen.append((out.device.type, out.dtype))  # under autocast a linear layer's output is bf16
         return out
 
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", name="p", max_steps=2, ckpt_every=2)
+    pretrain.main(["--config", SMOKE, "--no-progress", *args])
+    cfg = config.load(FinetuneConfig, "configs/finetune.yaml", [
+        f"ckpt={tmp_path / 'runs' / 'p' / 'checkpoints' / 'latest.pt'}", f"out={tmp_path / 'ref'}", "init=random",
+        "device=cuda", "precision=bf16", "workers=null", "epochs=100000", "max_steps=2", "val_every=1", "patience=1",
+        "frozen_epochs=0", "bootstrap=20"])
     monkeypatch.setattr(torch.nn.Linear, "forward", spy)
-    cfg = supervised_cfg(tiny_cache, tmp_path, "device=cuda", "precision=bf16")
-    path = supervised.train(cfg, "diabetic", str(tmp_path / "ckpt"), steps=2, progress=False,
-                            stop=supervised.Stopping(every=1, patience=1))  # the GPU size's val scores, on the GPU
+    ft = finetune.Finetuner(cfg, runtime.setup("cuda", "bf16"))
+    res = ft.run(progress=False)
     assert seen and all(d == "cuda" for d, _ in seen) and ("cuda", torch.bfloat16) in seen
-    st = checkpoint.load(path)
+    st = checkpoint.load(res["best_checkpoint"])
     assert all(v.device.type == "cpu" for v in st["target"].values())
-    assert [s for s, _ in st["supervised"]["val_history"]] == [1, 2]  # scored on the GPU at each step
+    assert [h["step"] for h in ft.history][:2] == [1, 2]  # scored on the GPU at each step
 
 
 @pytest.mark.parametrize("kind", ["linear", "attentive"])

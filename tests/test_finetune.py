@@ -463,3 +463,74 @@ def test_a_run_saved_under_the_old_patience_count_resumes_under_the_new_rule(pre
     more = iter([0.5] * 20)
     again.validate = lambda: {"epoch": again.epoch, "step": again.step, "balanced_accuracy": next(more), "auroc": 0.5}
     assert again.run(progress=False)["epochs_run"] == 7   # epochs 6 and 7 spend it (after half of 10)
+
+
+def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(pretrained, tmp_path):
+    """A small cohort's 10% of labels can hold fewer rows than the batch (the GPU-size smoke run: about
+    50 rows at batch 128): the run takes them all as its batch instead of training no step."""
+    cfg = _cfg(pretrained, tmp_path / "small", init="random", label_fraction=0.2, batch_size=128, epochs=2)
+    ft = _finetuner(cfg)
+    n = int(ft.train.sum())
+    assert 0 < n < 128 and ft.batch == n and ft.per_epoch == 1
+    res = ft.run(progress=False)
+    assert ft.step == 2 and res["epochs_run"] == 2
+
+
+def test_workers_null_takes_the_default_loader_workers(pretrained, tmp_path):
+    """workers: null is data.loader_workers' default (the cores less one), as in pretraining: the GPU size
+    sets it, where two workers would crop 128 volumes a step."""
+    from train import data
+
+    ft = _finetuner(_cfg(pretrained, tmp_path / "w", workers="null", epochs=1))
+    assert ft.cfg.workers is None and ft.loader(0)[1].num_workers == data.loader_workers(None)
+
+
+def test_val_every_scores_by_steps_and_keeps_the_best_state(pretrained, tmp_path):
+    """With val_every the run is scored every so many optimizer steps (a batch of 128 takes a 10%
+    fraction's epoch in a step or two): patience counts scores, the best scored state is what is
+    kept, and the checkpoints are numbered by step."""
+    import itertools
+
+    cfg = _cfg(pretrained, tmp_path / "steps", init="random", epochs=4, val_every=2, patience=2, warmup_epochs=0)
+    ft = _finetuner(cfg)
+    scores = itertools.chain([0.5, 0.9, 0.6, 0.6, 0.95], itertools.repeat(0.1))
+    seen = {}
+
+    def scripted():
+        v = {"epoch": finetune.epochs_of(ft.step, ft.per_epoch), "step": ft.step, "balanced_accuracy": next(scores),
+             "auroc": 0.5}
+        seen[ft.step] = {k: t.clone() for k, t in ft.model.encoder.state_dict().items()}
+        return v
+
+    ft.validate = scripted
+    half = ft.total // 2  # patience is spent only in the run's second half (decision 35)
+    ft.run(progress=False)
+    steps = [h["step"] for h in ft.history]
+    assert steps[:5] == [2, 4, 6, 8, 10] and all(s % 2 == 0 for s in steps)
+    best = ft.best["step"]
+    assert best == 10 and ft.stopped() and steps[-1] > max(best, half)  # stopped after two stale scores past half
+    saved = checkpoint.load(ft.folder.finetuned())
+    assert saved["step"] == best and all(torch.equal(saved["target"][k], seen[best][k]) for k in seen[best])
+    assert checkpoint.newest_whole(ft.ckpt_dir).endswith(f"step_{steps[-1]:07d}.pt")
+
+
+def test_predict_scores_each_real_row_once_with_the_batch_edit(pretrained, tmp_path):
+    """One scorer for a run's own head (validation, finish and the cohort screen): a probability row per
+    real row, padding dropped, each batch edited with its first row's index among the rows scored."""
+    ft = _finetuner(_cfg(pretrained, tmp_path / "pred", init="random", eval_batch=2))
+    torch.manual_seed(0)
+    with torch.no_grad():  # the head starts at zero (every row 0.5): classes that move with the input
+        for p in ft.model.head.parameters():
+            p.normal_(0.0, 5.0)
+    mask = ft.split != "train"
+    want = ft.predict(mask)
+    starts = []
+
+    def blank(x, start):
+        starts.append(start)
+        return torch.zeros_like(x)
+
+    blanked = ft.predict(mask, change=blank)
+    assert want.shape == (int(mask.sum()), ft.spec["classes"]) and np.allclose(want.sum(1), 1, atol=1e-5)
+    assert starts == list(range(0, int(mask.sum()), 2))
+    assert np.allclose(blanked, blanked[0]) and not np.allclose(want, want[0])  # every row the same blank input

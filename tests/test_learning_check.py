@@ -21,8 +21,10 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
              if not a.startswith(("name=", "runs_dir=", "data.cache="))]
     train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
+    budget = [x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0")
+              for x in ("--finetune-arg", kv)]  # the references' too: they are `make finetune` from random init
     args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--random-draws", "2",
-            *PROBE, *train]
+            *PROBE, *budget, *train]
     r = run_cli("evals.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     verdict = r.stdout.strip().splitlines()[-1]
@@ -45,7 +47,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "supervised features",    # the three references' in one pass
                                   "references and fine-tuning", learning_check.CURVE_JOB,  # at once (decision 47)
-                                  *(f"supervised reference, {f} of labels" for f in ("100%", "25%", "10%"))}
+                                  *(f"fine-tuning (random init), {f} of labels" for f in ("100%", "25%", "10%"))}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
         assert abs(ref["difference"] - (ref["supervised"] - ref["random_init"])) < 1e-9
@@ -59,8 +61,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         d = p["pretrained_minus_supervised"]
         assert abs(d["difference"] - (p["pretrained"]["balanced_accuracy"] - p["supervised"]["balanced_accuracy"])) < 1e-9
     assert res["training"]["steps"] == 4
-    assert res["supervised_stop"] == {"every": 0, "patience": 0}          # the CPU size: references train max_steps
-    assert res["supervised_training"] == {f: {"steps_trained": 4} for f in ("100%", "25%", "10%")}
+    trained = res["supervised_training"]                                 # each reference: make finetune from scratch
+    assert set(trained) == {"100%", "25%", "10%"} and all(t["epochs_run"] == 1 for t in trained.values())
+    assert learning_check.reference_training_line(trained) in (out / "lesions" / "result.md").read_text()
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
@@ -73,7 +76,6 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
-            *(x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0") for x in ("--finetune-arg", kv)),
             "--finetune-seeds", "2"]                                  # two training seeds per init (decision 13)
     again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
@@ -101,7 +103,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    for tag in (learning_check.finetune_tag("random", 0.5, None), learning_check.finetune_tag("random", 0.5, 1)):
+    for tag in (learning_check.finetune_tag("random", 0.5, None, 0), learning_check.finetune_tag("random", 0.5, 1, 0)):
         assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
     assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
     runs = res2["finetune"]["runs"]                      # each run's val per epoch: a lent GPU's call returns only $OUT
@@ -109,11 +111,13 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         {(f, i, t) for f in (0.5, 1.0) for i in ("pretrained", "random") for t in (None, 1)}
     rand = next(r for r in runs if (r["fraction"], r["init"], r["train_seed"]) == (0.5, "random", 1))
     m = json.loads((tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" /
-                    learning_check.finetune_tag("random", 0.5, 1) / "diabetic" / "metrics.json").read_text())
+                    learning_check.finetune_tag("random", 0.5, 1, 0) / "diabetic" / "metrics.json").read_text())
     assert rand["val"] == [round(h["balanced_accuracy"], 4) for h in m["history"]] and rand["epochs_run"] == 1
     assert rand["best_epoch"] == m["probes"][0]["best_epoch"] and rand["head"] == m["probes"][0]["head"]
     assert learning_check.tuned_line(rand) in (out / "lesions" / "result.md").read_text()
     assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
+    # the from-scratch run at 100% is the reference there: one run for both rows (its features are the reference's)
+    assert sum(s.startswith("fine-tuning (random init), 100%") for s in res2["stages"]) == 1
 
     scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
@@ -148,12 +152,11 @@ def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_n
     from conftest import REPO
     from octfm import config
 
-    for package in {f.split("/")[0] for f in learning_check.keyed_files(learning_check.SUPERVISED_CODE)} | {"train"}:
+    for package in {f.split("/")[0] for f in learning_check.keyed_files(learning_check.FINETUNE_CODE)} | {"train"}:
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
     cfg = str(REPO / "configs/pretrain_check.yaml")
-    names = lambda: (learning_check.recipe_name(cfg, "c", []),  # noqa: E731
-                     learning_check.recipe_name(cfg, "c", [], learning_check.SUPERVISED_CODE))
+    names = lambda: (learning_check.recipe_name(cfg, "c", []), learning_check.finetune_tag("random", 0.1, None))  # noqa: E731
     before = names()
     with open(tmp_path / "train/plan.py", "a") as f:
         f.write("\n# an edit\n")
@@ -163,13 +166,13 @@ def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_n
     assert all(a != b for a, b in zip(names(), before))
 
 
-@pytest.mark.slow  # six subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check
+@pytest.mark.slow  # five subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check
 def test_kept_results_are_keyed_on_the_code(tmp_path):
     """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
     instead of answering "nothing to do" from runs older code made), editing the probes keeps the
-    pretraining and the supervised references (not fine-tuning, which can start from a fitted probe),
-    editing evals/supervised.py retrains the references and fine-tuning (it imports the labelled
-    data from there), and editing the generator makes the cohort afresh; unedited, all are reused."""
+    pretraining but not fine-tuning (the references too: they are its from-scratch runs, and it can
+    start from a fitted probe), editing evals/finetune.py retrains fine-tuning alone, and editing
+    the generator makes the cohort afresh; unedited, all are reused."""
     import shutil
     import subprocess
     import sys
@@ -181,8 +184,7 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
                                                               "*.egg-info"))
     probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
-             "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'], lc.SUPERVISED_CODE)); "
-             "print(lc.finetune_tag('pretrained', 0.1, None)); "
+             "print(lc.finetune_tag('random', 0.1, None)); "
              "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
 
     def run():
@@ -190,54 +192,55 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         lines = r.stdout.splitlines()
-        return (lines[0], lines[1], lines[2]), lines[-1].endswith("reused")
+        return (lines[0], lines[1]), lines[-1].endswith("reused")
 
     first, _ = run()
     assert run() == (first, True)                                    # nothing changed: all reused
     with open(copy / "evals" / "probe.py", "a") as f:
         f.write("\n# an edit\n")
-    (pre0, sup0, tune0), reused = run()   # a probe edit keeps the pretraining and the references; fine-tuning
-    assert (pre0, sup0) == first[:2] and tune0 != first[2] and reused  # fits its start as the probes fit (decision 38)
-    with open(copy / "evals" / "supervised.py", "a") as f:
-        f.write("\n# an edit\n")
-    (pre, sup, tune), reused = run()
-    # the reference's code retrains it, and fine-tuning, which reads its labelled volumes (supervised.Labelled)
-    assert pre == first[0] and sup != first[1] and tune != tune0 and reused
+    (pre0, tune0), reused = run()   # a probe edit keeps the pretraining; fine-tuning fits its start as the probes fit
+    assert pre0 == first[0] and tune0 != first[1] and reused
     with open(copy / "evals" / "finetune.py", "a") as f:
         f.write("\n# an edit\n")
-    (pre2, sup2, tune2), reused = run()
-    assert (pre2, sup2) == (pre, sup) and tune2 != tune and reused   # fine-tuning's code: only it trains afresh
+    (pre, tune), reused = run()
+    assert pre == pre0 and tune != tune0 and reused                  # fine-tuning's code: only it trains afresh
     with open(copy / "train" / "model.py", "a") as f:
         f.write("\n# an edit\n")
     second, reused = run()
-    assert second[0] != pre and second[1] != sup and reused          # a trainer edit: new runs, the same cohort
+    assert second[0] != pre and second[1] != tune and reused        # a trainer edit: new runs, the same cohort
     with open(copy / "ingest" / "synth.py", "a") as f:
         f.write("\n# an edit\n")
     assert run() == (second, False)                                  # a generator edit: the cohort anew
 
 
-def test_the_supervised_reference_is_named_for_its_participants():
-    """Issue 40, item 9: a reference trained on one label fraction's participants is not reused for
-    another subset (a re-run with `--probe seed=N` draws other participants)."""
+def test_a_fine_tuning_run_is_named_for_the_seed_that_picks_its_participants():
+    """Issue 40, item 9: a run trained on one label fraction's participants is not reused for another
+    subset (a re-run with `--probe seed=N` draws other participants); the references are such runs."""
     from pathlib import Path
 
-    a = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1002"}, "_10pct")
-    b = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], {"1001", "1003"}, "_10pct")
-    full = learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], None, "")
-    assert a != b and a.startswith("supervised_") and "_10pct_" in a
-    assert full == learning_check.supervised_name("configs/pretrain_check.yaml", "c", ["max_steps=4"], None, "")
-    assert Path(full).name == full
+    a, b = (learning_check.finetune_tag("random", 0.1, None, s) for s in (0, 1))
+    assert a != b and "_10pct_" in a and Path(a).name == a
+    assert a == learning_check.finetune_tag("random", 0.1, None, 0)
 
 
 def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
     """Issue 40, item 8: 'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
     assert learning_check.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
                                         "chosen_on_val": {"prob": "L"}}) == "L"
-    verdict = learning_check.finetune_verdict([{
-        "fraction": 0.1, "pretrained": {"balanced_accuracy": 0.70}, "random_init": {"balanced_accuracy": 0.6},
-        "frozen": {"balanced_accuracy": 0.65}, "pretrained_minus_random_init": {"difference": 0.1,
-                                                                              "difference_ci95": [0.02, 0.18]}}])
-    assert "PASS" in verdict and "frozen probe (head chosen on val) 0.650" in verdict
+    def point(fraction, ft, frozen):
+        return {"fraction": fraction, "pretrained": {"balanced_accuracy": ft}, "random_init": {"balanced_accuracy": 0.6},
+                "frozen": {"balanced_accuracy": frozen},
+                "pretrained_minus_random_init": {"difference": ft - 0.6, "difference_ci95": [0.02, 0.18]},
+                "finetuned_minus_frozen": {"difference": ft - frozen, "difference_ci95": [-0.01, 0.1]}}
+
+    verdict = learning_check.finetune_verdict([point(0.1, 0.70, 0.65), point(1.0, 0.8, 0.82)])
+    first, *lines = verdict.splitlines()
+    assert "PASS" in first and "target at 10% of labels" in first
+    # issue 64: a reading at 10% and at 100% of labels, each against from scratch and the frozen probe with intervals
+    assert lines[0].startswith("- 10% of labels: fine-tuned 0.700, from scratch 0.600, frozen probe (head chosen on val) "
+                               "0.650; pretrained - random-init +0.100 [+0.020, +0.180], fine-tuned - frozen +0.050")
+    assert lines[1].startswith("- 100% of labels: fine-tuned 0.800") and "fine-tuned - frozen -0.020" in lines[1]
+    assert "FAIL" in learning_check.finetune_verdict([point(0.1, 0.70, 0.75)])  # below the frozen probe
 
 
 def test_fine_tuned_rows_are_means_over_training_seeds():
@@ -288,7 +291,8 @@ def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
         learning_check.main(["--finetune", "--finetune-seeds", "0"])
 
 
-FT = ["--finetune", "--finetune-fraction", "0.1", "--finetune-arg", "epochs=1", "--finetune-arg", "frozen_epochs=0"]
+FT = ["--finetune", "--finetune-fraction", "0.1", "--finetune-arg", "epochs=1", "--finetune-arg", "frozen_epochs=0",
+      "--finetune-arg", "workers=0"]
 
 
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
@@ -329,7 +333,7 @@ def gpu_dry_run(tmp_path, out, capsys):
     saved = (tmp_path / out / res["run"].rsplit("/", 1)[-1] / "config.yaml").read_text()
     assert res["step"] == 2 and "log_every: 100" in saved    # the GPU size's (the CPU check logs every 50)
     assert len(loaded) == 1 and loaded[0][1:] == (32, 128, 128)            # every train volume on the "device"
-    at_once = {"supervised reference, 10% of labels", "fine-tuning (pretrained init), 10% of labels",
+    at_once = {"fine-tuning (pretrained init), 10% of labels",  # the from-scratch run is the 10% reference too
                "fine-tuning (random init), 10% of labels", learning_check.CURVE_JOB}
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "references and fine-tuning", "supervised features", *at_once}
@@ -337,14 +341,14 @@ def gpu_dry_run(tmp_path, out, capsys):
     points = {p["fraction"]: p for p in res["label_efficiency"]["points"]}   # frozen rows at every fraction
     assert sorted(points) == [0.1, 0.25, 1.0] and [f for f, p in points.items() if "supervised" in p] == [0.1]
     assert res["supervised_reference"] == {}                                  # no 100% reference: none of its rows
-    # the GPU size's references stop on val (decision 17): scored at their last step here (2 < every 50)
-    assert res["supervised_stop"] == {"every": 50, "patience": 4}
-    assert res["supervised_args"] == ["batch_size=128", "max_steps=3700"]  # before ARGS: the tiny ones win here
-    assert all(t["steps_trained"] == t["best_step"] == t["stopped_at"] == 2 and 0 <= t["best_val_balanced_accuracy"] <= 1
-               for t in res["supervised_training"].values()) and list(res["supervised_training"]) == ["10%"]
-    assert "(target: pretrained >= supervised, the supervised references stopped on val: decision 17)" in res["verdict"]
-    assert "Reference training (stopping on val, decision 17: scored every 50 steps, patience 4)" in \
-        (tmp_path / out / "lesions" / "result.md").read_text()
+    # the GPU size's fine-tuning keys (a step budget, val scores every 50 steps: decision 17's, now the recipe's) come
+    # first, the command line's after them
+    assert res["finetune_args"][:len(learning_check.SIZES["gpu"].finetune_args)] == list(
+        learning_check.SIZES["gpu"].finetune_args)
+    trained = res["supervised_training"]
+    assert list(trained) == ["10%"] and trained["10%"]["val_every"] == 50 and trained["10%"]["patience"] == 4
+    assert "(target: pretrained >= supervised)" in res["verdict"]
+    assert "Reference training (make finetune from random init" in (tmp_path / out / "lesions" / "result.md").read_text()
     # the headline rows were printed as soon as the features existed, and every row but the token probe's
     # was written before it (a lent GPU's run cut short keeps them; stop 50's was cut in the token probe)
     early = json.loads((tmp_path / out / "lesions" / "result_interim.json").read_text())
@@ -373,8 +377,7 @@ def test_the_gpu_size_check_gives_the_same_rows_one_at_a_time(tmp_path, capsys):
     seq = json.loads((tmp_path / "out2" / "lesions" / "result.json").read_text())
     # each run a stage of its own (the curve's heads then train in the probes stage)
     assert "references and fine-tuning" not in seq["stages"] and {
-        "supervised reference, 10% of labels", "fine-tuning (pretrained init), 10% of labels",
-        "fine-tuning (random init), 10% of labels"} <= set(seq["stages"])
+        "fine-tuning (pretrained init), 10% of labels", "fine-tuning (random init), 10% of labels"} <= set(seq["stages"])
     for key in ("finetune", "label_efficiency", "supervised_training", "tasks"):
         assert seq[key] == res[key], key
 
@@ -389,22 +392,20 @@ def test_jobs_at_once_run_on_the_threads_they_are_given():
     assert learning_check.in_processes(jobs, 2, threads=2) == {"a": 2, "b": 2}  # the value given, not always 1
 
 
-def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeypatch):
-    """`--size gpu` hands its references decision 17's stopping and budget, `--size cpu` none, and
-    `--supervised-full-budget` trains them all max_steps at any size (to measure the stopping)."""
-    from evals import supervised
-
+def test_the_size_sets_the_fine_tuning_keys_and_how_many_runs_at_once(monkeypatch):
+    """`--size gpu` hands its fine-tuning runs (the references among them) a batch of 128, a step budget
+    and val scores by steps, `--size cpu` none, and command-line keys come after the size's."""
     seen = []
 
     def fake_check(*args, **kwargs):
-        seen.append((args[3], kwargs["supervised_stop"], kwargs["supervised_args"]))
+        seen.append((args[3], tuple(kwargs["finetune_args"])))
         draws.append(kwargs["random_draws"])
         at_once.append(kwargs["together"])
         raise SystemExit(0)
 
     draws, at_once = [], []
     monkeypatch.setattr(learning_check, "check", fake_check)
-    for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--supervised-full-budget"],
+    for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--finetune-arg", "patience=0"],
                  ["--size", "cpu", "--random-draws", "1"], ["--size", "cpu", "--one-at-a-time"]):
         with pytest.raises(SystemExit):
             learning_check.main(argv)
@@ -414,11 +415,10 @@ def test_the_size_sets_how_the_references_stop_and_the_flag_turns_it_off(monkeyp
     assert at_once == [0, 1, 0, 1, None]
     with pytest.raises(cli.UsageError, match="--random-draws"):
         learning_check.main(["--random-draws", "0"])
-    # the GPU size's references keep decision 17's 3,700 steps of 128 (decision 28 halved the pretraining's steps)
-    gpu_refs = ("batch_size=128", "max_steps=3700")
-    assert seen[:3] == [("configs/pretrain_check_gpu.yaml", supervised.Stopping(every=50, patience=4), gpu_refs),
-                    ("configs/pretrain_check.yaml", supervised.Stopping(), ()),
-                    ("configs/pretrain_check_gpu.yaml", supervised.Stopping(), gpu_refs)]
+    gpu = learning_check.SIZES["gpu"].finetune_args
+    assert {"batch_size=128", "max_steps=3700", "val_every=50", "patience=4"} <= set(gpu)
+    assert seen[:3] == [("configs/pretrain_check_gpu.yaml", gpu), ("configs/pretrain_check.yaml", ()),
+                        ("configs/pretrain_check_gpu.yaml", (*gpu, "patience=0"))]
 
 
 def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_read():
@@ -482,7 +482,6 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
 # what each kept result runs: the entry files that make it (its key must hold every file they import)
 MADE_BY = {"COHORT_CODE": ("ingest/synth.py",),                  # learning_check.cohort
            "PRETRAIN_CODE": ("train/pretrain.py", "cache/build.py"),   # the run reads the cache, named by its path
-           "SUPERVISED_CODE": ("evals/supervised.py", "cache/build.py"),
            "FINETUNE_CODE": ("evals/finetune.py",)}
 
 
