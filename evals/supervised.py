@@ -26,7 +26,7 @@ from octfm.scores import balanced_accuracy
 from train import checkpoint, data, encoder, masks, runtime
 from train.config import TrainConfig
 from train.model import Encoder
-from train.pretrain import to_cpu
+from train.step import to_cpu
 
 WARMUP = 0.1  # the one-cycle schedule's warmup share (0.2 at exactly 10 steps, where 0.1 divides by zero)
 

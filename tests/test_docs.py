@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from train import pretrain
+from train.step import guarded_step
 
 
 def _docs() -> str:
@@ -30,7 +30,7 @@ def test_update_guard_is_described_as_it_runs():
         def step(self):
             calls.append("step")
 
-    pretrain.guarded_step(Opt(), torch.tensor(False))                  # CPU: a branch, no step at all
+    guarded_step(Opt(), torch.tensor(False))                  # CPU: a branch, no step at all
     assert calls == []
 
 
