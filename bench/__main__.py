@@ -1,8 +1,8 @@
 """Run the benchmark suites and write runs/bench/bench.json and bench.md.
 
 Suites merge into the existing bench.json, so `--only cache` refreshes one section.
-`--readme` also replaces each measured suite's block in README.md (between
-`<!-- bench:<suite> -->` and `<!-- /bench:<suite> -->`), so the README's numbers come from a run.
+`--readme` also replaces each measured suite's block in docs/benchmarks.md (between
+`<!-- bench:<suite> -->` and `<!-- /bench:<suite> -->`), so the documented numbers come from a run.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from octfm import cli
 SUITES = {"cache": cache_bench.run, "train": train_bench.run, "reference": reference_bench.run,
           "recipe": recipe_bench.run, "augment": augment_bench.run, "xla": xla_bench.run, "learning": learning_bench.run,
           "probes": probe_bench.run}
+BLOCKS_PAGE = Path("docs/benchmarks.md")  # where --readme writes each suite's table (its bench:<suite> block)
 
 
 def main(argv=None) -> int:
@@ -29,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=sorted(SUITES), action="append")
     ap.add_argument("--quick", action="store_true", help="smaller inputs (a smoke run, not for the record)")
     ap.add_argument("--xla-python", default=None, help="python of the torch_xla venv (make xla-venv)")
-    ap.add_argument("--readme", action="store_true", help="write the measured suites into README.md's bench blocks")
+    ap.add_argument("--readme", action="store_true",
+                    help="write the measured suites into docs/benchmarks.md's bench blocks")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -54,15 +56,15 @@ def main(argv=None) -> int:
     print("\n".join(md))
     print(f"bench: wrote {path} and {out / 'bench.md'}")
     if a.readme:
-        done = [name for name in a.only or list(SUITES)  # a failed suite leaves the README's last measurement
-                if "error" not in results[name] and update_readme(Path("README.md"), name, results[name]["markdown"])]
-        print(f"bench: README.md blocks replaced: {', '.join(done) or 'none (no <!-- bench:<suite> --> markers)'}")
+        done = [name for name in a.only or list(SUITES)  # a failed suite leaves the page's last measurement
+                if "error" not in results[name] and update_blocks(BLOCKS_PAGE, name, results[name]["markdown"])]
+        print(f"bench: {BLOCKS_PAGE} blocks replaced: {', '.join(done) or 'none (no <!-- bench:<suite> --> markers)'}")
     return 0
 
 
-def update_readme(readme: Path, suite: str, lines: list[str]) -> bool:
-    """Replace the text between this suite's markers in README.md; False when it has none."""
-    text = readme.read_text()
+def update_blocks(page: Path, suite: str, lines: list[str]) -> bool:
+    """Replace the text between this suite's markers in `page`; False when it has none."""
+    text = page.read_text()
     begin, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
     if begin not in text or end not in text:
         return False
@@ -70,7 +72,7 @@ def update_readme(readme: Path, suite: str, lines: list[str]) -> bool:
     _, tail = rest.split(end, 1)
     body = [ln.replace("## ", "#### ", 1) if ln.startswith("## ") else ln.replace("### ", "#### ", 1)
             if ln.startswith("### ") else ln for ln in lines]
-    readme.write_text(head + begin + "\n" + "\n".join(body) + "\n" + end + tail)
+    page.write_text(head + begin + "\n" + "\n".join(body) + "\n" + end + tail)
     return True
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from bench import verdict
 from ingest import preprocess as prep
-from ingest import synth
+from ingest import phantom, synth
 
 TRITON = "topcon_triton"
 TARGET = (64, 384, 384)
@@ -55,7 +55,7 @@ def _hwm_kb() -> int:
 def write_device(path: Path, device: str, shape=None, seed: int = 0, compress: str | None = None) -> np.ndarray:
     """A synthetic volume of `device` (its full native size by default) written as a DICOM."""
     spec = synth.DEVICES[device]
-    vol = synth.make_volume(shape or spec.shape, np.random.default_rng(seed), "R")
+    vol = phantom.make_volume(shape or spec.shape, np.random.default_rng(seed), "R")
     ds = synth.make_dataset(vol, spec, spec.spacing, participant="9001", laterality="R", sop_uid=f"1.2.3.{seed}",
                             study_uid="1.2.3", series_uid="1.2.3.9")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import time
 from octfm import config
 from train import online_probe, pretrain, runtime
 from train.config import TrainConfig
+from train.step import guarded_step
 
 VITB = ["model.dim=768", "model.depth=12", "model.heads=12", "model.pred_dim=384", "model.pred_depth=6",
         "model.pred_heads=12"]
@@ -43,8 +44,8 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
 
     ok = tr.loss_mean.new_ones((), dtype=bool)
     plain_s = timed(lambda: grads_then(tr.opt.step), steps)
-    guarded_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok)), steps)
-    select_s = timed(lambda: grads_then(lambda: pretrain.guarded_step(tr.opt, ok, "select")), steps)
+    guarded_s = timed(lambda: grads_then(lambda: guarded_step(tr.opt, ok)), steps)
+    select_s = timed(lambda: grads_then(lambda: guarded_step(tr.opt, ok, "select")), steps)
     probe = online_probe.OnlineProbe(cfg, tr.rt.device)
     probe(tr.target, 0)  # warm up (first reads)
     rec = probe(tr.target, 0)

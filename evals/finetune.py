@@ -41,7 +41,7 @@ from octfm import cli, config, fsio, plots, procs
 from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
-from train.pretrain import decays, guarded_step, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
+from train.step import decays, guarded_step, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
 from train.run_folder import RunFolder
 
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume

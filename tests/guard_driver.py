@@ -16,6 +16,7 @@ import torch
 from octfm import config
 from train import pretrain, runtime
 from train.config import TrainConfig
+from train.step import set_scalar, xla_compiles
 
 
 def main() -> None:
@@ -35,14 +36,14 @@ def main() -> None:
     it = iter(rt.loader(dl))
     states, skipped, compiles = [], [], []
     for step in range(1, a.steps + 1):
-        pretrain.set_scalar(tr.loss_scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)
+        set_scalar(tr.loss_scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)
         tr.update([rt.to_device(next(it))], net)
         rt.sync()
         st = tr.state()
         states.append(copy.deepcopy({k: st[k] for k in ("model", "target", "optimizer")}))  # CPU tensors alias
         skipped.append(int(st["skipped_updates"]))
         if rt.kind == "xla":
-            compiles.append(pretrain.xla_compiles()["xla_compiles"])
+            compiles.append(xla_compiles()["xla_compiles"])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     torch.save({"states": states, "skipped": skipped, "compiles": compiles}, Path(a.out) / f"rank{rt.rank}.pt")
     rt.shutdown()

@@ -10,7 +10,7 @@ import pytest
 
 from cache import build, store
 from cache.worker import process_row
-from ingest import synth
+from ingest import phantom, synth
 from octfm import config
 from conftest import REPO
 
@@ -20,7 +20,7 @@ SPEC = synth.DEVICES["topcon_triton"]
 
 
 def dataset(vol=None, **changes):
-    vol = synth.make_volume((8, 40, 32), np.random.default_rng(0), "R") if vol is None else vol
+    vol = phantom.make_volume((8, 40, 32), np.random.default_rng(0), "R") if vol is None else vol
     ds = synth.make_dataset(vol, SPEC, (0.05, 0.003, 0.02), participant="1", laterality="R", sop_uid="1.2.3.4",
                             study_uid="1.2.3", series_uid="1.2.3.5")
     for k, v in changes.items():
@@ -52,7 +52,7 @@ def test_truncated_at_several_offsets(tmp_path, cut):
 
 def test_rgb_is_refused(tmp_path):
     vol = np.zeros((2, 8, 8, 3), np.uint8)
-    ds = dataset(synth.make_volume((2, 8, 8), np.random.default_rng(1)))
+    ds = dataset(phantom.make_volume((2, 8, 8), np.random.default_rng(1)))
     ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
     ds.PixelData = vol.tobytes()
     out = run(tmp_path, synth.dicom_bytes(ds))
@@ -67,7 +67,7 @@ def test_absurd_dimensions_are_refused_before_decoding(tmp_path):
 
 
 def test_sixteen_bit_is_cached_like_eight_bit(tmp_path):
-    vol8 = synth.make_volume((8, 40, 32), np.random.default_rng(2), "R")
+    vol8 = phantom.make_volume((8, 40, 32), np.random.default_rng(2), "R")
     ds16 = dataset(vol8.astype(np.uint16) * 16)
     ds16.BitsAllocated, ds16.BitsStored, ds16.HighBit = 16, 12, 11
     ds16.PixelData = (vol8.astype(np.uint16) * 16).tobytes()

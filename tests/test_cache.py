@@ -14,7 +14,7 @@ from pydicom.data import get_testdata_file
 from cache import build, store
 from conftest import SMALL, assert_same_cache, run_cli, start_build
 from ingest import preprocess as prep
-from ingest import synth
+from ingest import phantom, synth
 from manifests import schema
 from octfm import config, fsio
 
@@ -94,7 +94,7 @@ def test_subsampled_window_within_one_level_of_full():
     cfg = prep.PreprocessConfig(window_samples=200_000)
     rng = np.random.default_rng(0)
     for lat in ("R", "L", "R"):
-        vol = synth.make_volume((128, 496, 256), rng, lat)
+        vol = phantom.make_volume((128, 496, 256), rng, lat)
         full = prep.full_window(vol, cfg)
         sub = prep.window(vol, cfg)
         assert abs(sub[0] - full[0]) <= 1 and abs(sub[1] - full[1]) <= 1, (sub, full)
@@ -114,7 +114,7 @@ def test_constant_volume_is_refused():
 
 def test_spectralis_octa_is_flipped_to_common_orientation(tmp_path):
     spec = synth.DEVICES["heidelberg_spectralis"]
-    vol = synth.make_volume((8, 62, 96), np.random.default_rng(5), "R")
+    vol = phantom.make_volume((8, 62, 96), np.random.default_rng(5), "R")
     cfg = config.to_dict(CFG)
     outs = {}
     for imaging, data in (("OCT", vol), ("OCTA", vol[::-1].copy())):

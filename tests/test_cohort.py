@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 from evals import learning_check
 from evals.cohort_screen import statistics_scores
-from ingest import synth
+from ingest import phantom, synth
 
 
 def cached_cohort(root, participants: int):
@@ -193,12 +193,12 @@ def test_the_lesion_table_points_at_the_voxels_each_lesion_changed():
 
     rng = np.random.default_rng(5)
     shape = (32, 128, 96)
-    draws = synth.draw_volume(shape, rng)
-    eye = synth.sample_eye(3, rng, lesions=1.0)
-    plain = synth.render_volume(shape, draws, "L", 3, 0.0, dataclasses.replace(eye, lesions=()))
-    marked = synth.render_volume(shape, draws, "L", 3, 0.0, eye)
+    draws = phantom.draw_volume(shape, rng)
+    eye = phantom.sample_eye(3, rng, lesions=1.0)
+    plain = phantom.render_volume(shape, draws, "L", 3, 0.0, dataclasses.replace(eye, lesions=()))
+    marked = phantom.render_volume(shape, draws, "L", 3, 0.0, eye)
     diff = marked.astype(int) - plain.astype(int)
-    table = synth.lesion_table(draws, "L", 3, 0.0, eye)
+    table = phantom.lesion_table(draws, "L", 3, 0.0, eye)
     assert len(table) == len(eye.lesions) >= 3
     right = 0
     for les in table:

@@ -16,6 +16,7 @@ from conftest import run_cli, same_optimizer, same_weights, tiny_train_args
 from octfm import config
 from train import attention, checkpoint, pretrain, runtime
 from train.config import TrainConfig
+from train.step import guard_path, set_scalar
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (make device-check runs these)")]
@@ -48,7 +49,7 @@ def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
     # steady steps read nothing back to the host: any synchronising call raises in this mode
     # (tests/test_step_graph.py holds the same on the CPU with the profiler)
     for scale, steps in ((1.0, 3), (1e4, 1)):  # then a skipped update, which takes the same path
-        pretrain.set_scalar(tr.loss_scale, scale)
+        set_scalar(tr.loss_scale, scale)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -90,11 +91,11 @@ def test_the_fused_adamw_skip_decides_as_the_cpu(tiny_cache, tmp_path):
         args = tiny_train_args(tiny_cache, tmp_path / dev, device=dev, precision="fp32")
         cfg = config.load(TrainConfig, SMOKE, args)
         tr = pretrain.Trainer(cfg, runtime.setup(dev, cfg.precision))
-        assert pretrain.guard_path(tr.opt, torch.zeros((), dtype=torch.bool, device=dev)) == "found_inf"
+        assert guard_path(tr.opt, torch.zeros((), dtype=torch.bool, device=dev)) == "found_inf"
         bs = batches(tr, 3)
         states, skipped = [], []
         for i, scale in enumerate([1.0, 1e4, float("nan"), 1.0]):
-            pretrain.set_scalar(tr.loss_scale, scale)
+            set_scalar(tr.loss_scale, scale)
             tr.advance_schedules()
             tr.update([bs[i % 3]], tr.model)
             st = tr.state()

@@ -13,9 +13,10 @@ import torch
 from conftest import REPO, free_port, tiny_train_args
 from octfm import fsio
 from octfm.config import ConfigError
-from train import checkpoint, data, pretrain, runtime
+from train import checkpoint, data, runtime
 from train.model import Encoder
 from train.config import ModelConfig
+from train.step import ema_update, init_optimizer_state
 
 MOUNTS = """\
 /dev/sda1 / ext4 rw,relatime 0 0
@@ -122,7 +123,7 @@ def test_optimizer_state_made_before_the_first_step_changes_nothing(tiny_cache, 
     a, b = copy.deepcopy(lin), copy.deepcopy(lin)
     oa = torch.optim.AdamW(a.parameters(), lr=torch.tensor(1e-2), fused=True)
     ob = torch.optim.AdamW(b.parameters(), lr=torch.tensor(1e-2), fused=True)
-    pretrain.init_optimizer_state(oa)
+    init_optimizer_state(oa)
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in oa.state.values())
     x = torch.randn(16, 8)
     for _ in range(3):
@@ -141,14 +142,14 @@ def test_the_ema_as_one_foreach_op_matches_a_lerp_per_tensor():
     online, target = Encoder(cfg, (8, 32, 32)), Encoder(cfg, (8, 32, 32))
     ref = copy.deepcopy(target)
     m = torch.tensor(0.996)
-    pretrain.ema_update(target, online, m)
+    ema_update(target, online, m)
     with torch.no_grad():
         for t, o in zip(ref.parameters(), online.parameters()):
             t.lerp_(o, 1.0 - m)
     for a, b in zip(target.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     before = copy.deepcopy(target)
-    pretrain.ema_update(target, online, torch.tensor(1.0))  # a skipped update: the target stays exactly
+    ema_update(target, online, torch.tensor(1.0))  # a skipped update: the target stays exactly
     assert all(torch.equal(a, b) for a, b in zip(target.parameters(), before.parameters()))
 
 

@@ -17,6 +17,7 @@ from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, 
 from octfm import config
 from train import checkpoint, data, pretrain, runtime, schedule
 from train.config import OptimConfig, TrainConfig
+from train.step import GUARD_PATHS, guarded_step
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
@@ -107,7 +108,7 @@ def test_non_finite_loss_skips_the_update(tiny_cache, tmp_path):
     assert torch.isfinite(loss) and int(tr.skipped) == 1
 
 
-@pytest.mark.parametrize("path", pretrain.GUARD_PATHS)
+@pytest.mark.parametrize("path", GUARD_PATHS)
 def test_guarded_step_is_exact_on_every_path(path):
     """Every path of the guard (fused AdamW's found_inf as CPU and CUDA run it, the host branch,
     XLA's copy and select, here on CPU): an accepted step equals a bare AdamW step, a refused one
@@ -125,18 +126,18 @@ def test_guarded_step_is_exact_on_every_path(path):
     ref, ref_opt = fresh()
     m, opt = fresh()
     grads(m, float("nan"))
-    pretrain.guarded_step(opt, torch.tensor(False), path)        # a refused first update
+    guarded_step(opt, torch.tensor(False), path)        # a refused first update
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
     assert all(not {k: v for k, v in opt.state[p].items() if torch.is_tensor(v) and v.abs().sum() > 0}
                for p in m.parameters())
     for _ in range(2):                                                    # accepted: as a bare step
         grads(m), grads(ref)
-        pretrain.guarded_step(opt, torch.tensor(True), path)
+        guarded_step(opt, torch.tensor(True), path)
         ref_opt.step()
     state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()}
     weights = [p.detach().clone() for p in m.parameters()]
     grads(m, float("nan"))
-    pretrain.guarded_step(opt, torch.tensor(False), path)        # refused: nothing moves
+    guarded_step(opt, torch.tensor(False), path)        # refused: nothing moves
     for p, w, r in zip(m.parameters(), weights, ref.parameters()):
         assert torch.equal(p, w) and torch.equal(p, r)
         for k, v in opt.state[p].items():

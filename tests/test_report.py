@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from ingest import synth
+from ingest import phantom
 from manifests import schema
 from octfm import fsio
 
@@ -120,7 +120,7 @@ def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_us
 def test_synthetic_volumes_carry_an_up_down_cue(laterality):
     """The vessel shadow lies in the frames before the middle, so the en-face montage shows a
     frame-reversed cube (Spectralis OCTA without its flip rule) upside down."""
-    vol = synth.make_volume((32, 64, 64), np.random.default_rng(0), laterality)
+    vol = phantom.make_volume((32, 64, 64), np.random.default_rng(0), laterality)
     enface = vol.mean(axis=1)                    # [frames, cols]
     darkest = enface.argmin(axis=0)              # per column: the frame under the vessel
     assert (darkest < 16).mean() > 0.75, darkest

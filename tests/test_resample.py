@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ingest import preprocess as prep
-from ingest import synth
+from ingest import phantom
 
 CASES = [  # (native shape, target): shrink every axis (Triton-like), upsample frames (Spectralis-like), identity
     ((24, 124, 64), (8, 48, 48)),
@@ -16,7 +16,7 @@ CASES = [  # (native shape, target): shrink every axis (Triton-like), upsample f
 
 
 def volume(shape, dtype=np.uint8, seed=0):
-    vol = synth.make_volume(shape, np.random.default_rng(seed), "R")
+    vol = phantom.make_volume(shape, np.random.default_rng(seed), "R")
     return vol if dtype == np.uint8 else vol.astype(np.uint16) * 16 + 7
 
 

@@ -12,6 +12,7 @@ from octfm import config
 from train import attention, data, pretrain, runtime
 from train.config import TrainConfig
 from train.model import target_features
+from train.step import ema_update, set_scalar
 
 SMOKE = "configs/pretrain_smoke.yaml"
 # the learning check's architecture in small: stem, peak pooling, max pooling, the local term
@@ -81,7 +82,7 @@ def test_a_steady_step_reads_nothing_back_to_the_host(tiny_cache, tmp_path):
     bs = _batches(tr, 2)
     reads, py_reads = host_reads_in_steps(tr, bs)
     assert reads == [] and py_reads == [], (reads, py_reads)
-    pretrain.set_scalar(tr.loss_scale, 1e4)  # every update now refused by the guard
+    set_scalar(tr.loss_scale, 1e4)  # every update now refused by the guard
     reads, py_reads = host_reads_in_steps(tr, bs)
     assert int(tr.skipped) > 0
     assert reads == [] and py_reads == [], (reads, py_reads)
@@ -108,9 +109,9 @@ def test_the_ema_update_is_exact_on_a_skip_and_a_lerp_otherwise():
     cfg = ModelConfig(dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
     online, target = Encoder(cfg, (8, 32, 32)), Encoder(cfg, (8, 32, 32))
     before = [p.clone() for p in target.parameters()]
-    pretrain.ema_update(target, online, torch.tensor(1.0))
+    ema_update(target, online, torch.tensor(1.0))
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
-    pretrain.ema_update(target, online, torch.tensor(0.99))
+    ema_update(target, online, torch.tensor(0.99))
     for b, o, t in zip(before, online.parameters(), target.parameters()):
         torch.testing.assert_close(t, torch.lerp(b, o, 0.01), rtol=1e-6, atol=1e-7)
 

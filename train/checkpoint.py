@@ -298,7 +298,7 @@ def _rescanned(ckpt_dir: str, scan):
 class Writer:
     """Saves on a thread of its own, one at a time, so training goes on while a state (about
     1.5 GB at ViT-B) is encoded and written. The state handed over must be a copy training
-    cannot change (train/pretrain.py to_cpu). A write's error is raised, naming its file, by the
+    cannot change (train/step.py to_cpu). A write's error is raised, naming its file, by the
     next submit, poll or wait; `done(path)` runs on the caller's thread once the file exists."""
 
     def __init__(self):
