@@ -72,17 +72,22 @@ def extract(enc: Encoder, cfg: TrainConfig, rows: list[dict], cache: str, token_
 @torch.no_grad()
 def extract_all(encs: dict[str, Encoder], cfg: TrainConfig, rows: list[dict], cache: str, token_pool, device="cpu",
                 batch: int = 4, progress=None, precision: str = "fp32", tokens: bool = True,
-                token_dtype=torch.float16, pad: bool = False) -> dict[str, dict]:
+                token_dtype=torch.float16, pad: bool = False, batches=None) -> dict[str, dict]:
     """`extract` for several encoders of one input shape in one pass over the cache: each batch is
     read once and run through every encoder (the learning check's random-init draws: reading the
     volumes is a large share of an encoder's pass on a GPU). Each encoder's features are the ones
     `extract` gives it alone. `token_pool` one grid pooling for all, or {name: pooling}: names
     that share one Encoder object run it once a batch and pool its tokens each their own way (the
-    check's headline features and the token probe's full grid). Returns {name: features}."""
+    check's headline features and the token probe's full grid). `batches`: the uint8 batches and their
+    real row counts to run instead of reading `rows` (fine-tuning's kept val crops). The one loop from
+    cached volumes to features: probes, embeddings, the check and fine-tuning's scores all run it.
+    Returns {name: features}."""
     pools = token_pool if isinstance(token_pool, dict) else {name: token_pool for name in encs}
     encs = {name: e.to(device) for name, e in encs.items()}
     pooled, grids = {name: [] for name in encs}, {name: [] for name in encs}
-    for x, n in encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch, pad=pad):
+    if batches is None:
+        batches = encoder.volume_batches(cache, rows, cfg.data.stride, cfg.data.input_shape, batch, pad=pad)
+    for x, n in batches:
         x = x.to(device)
         ran = {}  # id(encoder) -> its tokens of this batch
         for name, enc in encs.items():

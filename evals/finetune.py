@@ -30,14 +30,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from evals import check_probes, features, probe, probe_heads, subsets
 from evals import probe_metrics as pm
 from evals.config import FinetuneConfig, ProbeConfig
 from manifests.aireadi import TASKS
-from octfm import cli, config, fsio, plots, procs
+from octfm import cli, config, fsio, plots
 from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
@@ -373,11 +373,8 @@ class Finetuner:
         ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, training_seed(cfg), augment=cfg.augment)
         sampler = data.EpochSampler(len(rows), self.batch, self.rt.rank, self.rt.world, training_seed(cfg), True,
                                     start_step, self.total)
-        workers = data.loader_workers(cfg.workers)
-        kw = {"num_workers": workers, "persistent_workers": True,
-              "multiprocessing_context": procs.worker_context(self.tcfg.data.start_method)} if workers > 0 else {}
-        dl = DataLoader(self.dataset(ds, y), batch_size=self.batch, sampler=sampler, drop_last=True,
-                        pin_memory=self.rt.kind == "cuda", **kw)
+        dl = data.batch_loader(self.dataset(ds, y), self.batch, sampler, cfg.workers, self.tcfg.data.start_method,
+                               pin=self.rt.kind == "cuda", prefetch_factor=self.tcfg.data.prefetch_factor)
         return sampler.batches_per_epoch, dl
 
     def frozen(self, epoch: int) -> bool:
@@ -408,19 +405,25 @@ class Finetuner:
     @torch.no_grad()
     def predict(self, mask: np.ndarray, change=None) -> np.ndarray:
         """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
-        them). `change(x, start)` edits each uint8 batch first, `start` its first row's index among the
-        masked rows (evals/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the
-        loop calls set_phase after a score)."""
+        them), through the probes' features loop (features.extract_all) and the head. `change(x, start)`
+        edits each uint8 batch first, `start` its first row's index among the masked rows
+        (evals/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the loop calls
+        set_phase after a score)."""
         self.model.eval()
-        out, start = [], 0
-        for x, n in self.inputs(mask):
-            x = x if change is None else change(x, start)
-            start += n
-            x = x.to(self.rt.device)
-            with self.rt.autocast():
-                logits = self.model(data.normalize(x))
-            out.append(torch.softmax(logits.float(), -1)[:n].cpu())
-        return torch.cat(out).numpy() if out else np.zeros((0, self.spec["classes"]))
+        batches = self.inputs(mask)
+        if change is not None:
+            starts = np.cumsum([0] + [n for _, n in batches])
+            batches = [(change(x, int(start)), n) for (x, n), start in zip(batches, starts)]
+        if not batches:
+            return np.zeros((0, self.spec["classes"]))
+        reads = probe_heads.reads_tokens(self.kind)
+        f = features.extract_all({"": self.model.encoder}, self.tcfg, [], self.tcfg.data.cache, self.cfg.token_pool,
+                                 self.rt.device, precision="bf16" if self.rt.bf16 else "fp32", tokens=reads,
+                                 token_dtype=torch.float32, batches=batches)[""]
+        pooled = torch.from_numpy(f["pooled"]).to(self.rt.device)
+        grids = torch.from_numpy(f["tokens"]).to(self.rt.device) if reads else None
+        logits = self.model.head(pooled, grids)[:, 0]
+        return torch.softmax(logits.float(), -1).cpu().numpy()
 
     def inputs(self, mask: np.ndarray) -> list:
         """The masked rows' cropped uint8 batches, read from the cache once and kept (validation

@@ -7,13 +7,14 @@ Host-side work keeps uint8; the float conversion and intensity jitter happen on 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from cache import store
 from manifests import layout
@@ -62,6 +63,24 @@ def loader_workers(workers: int | None) -> int:
         return workers
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // per_host - 1))
+
+
+def batch_loader(ds: Dataset, batch: int, sampler: Sampler, workers: int | None, start_method: str, pin: bool,
+                 prefetch_factor: int = 2, worker_log: str | None = None) -> DataLoader:
+    """The one DataLoader setup of every training loop (pretraining, fine-tuning and so the supervised
+    references): whole batches from the sampler's keys; `workers` (data.workers: None for the default,
+    loader_workers) persistent processes of the shared context (octfm/procs.py, started early with the
+    imports preloaded), pinned memory where batches go to a GPU; `worker_log`: each worker notes its
+    start there (note_worker_start)."""
+    from octfm import procs
+
+    n = loader_workers(workers)
+    kw = {}
+    if n > 0:
+        kw = {"num_workers": n, "multiprocessing_context": procs.worker_context(start_method),
+              "persistent_workers": True, "prefetch_factor": prefetch_factor,
+              "worker_init_fn": functools.partial(note_worker_start, worker_log) if worker_log else None}
+    return DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, pin_memory=pin, **kw)
 
 
 def note_worker_start(path: str, worker_id: int) -> None:

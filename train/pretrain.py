@@ -18,7 +18,6 @@ from typing import Sequence
 
 import torch
 import yaml
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from octfm import cli, config, fsio, procs
@@ -185,14 +184,8 @@ class Trainer:
         ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment, volumes)
         sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
                                     stop_batch)
-        kw = {}
-        workers = data.loader_workers(cfg.data.workers)
-        if workers > 0:
-            kw = {"num_workers": workers, "multiprocessing_context": procs.worker_context(cfg.data.start_method),
-                  "persistent_workers": True, "prefetch_factor": cfg.data.prefetch_factor,
-                  "worker_init_fn": functools.partial(data.note_worker_start, worker_log) if worker_log else None}
-        dl = DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        pin_memory=self.rt.kind == "cuda", **kw)
+        dl = data.batch_loader(ds, cfg.batch_size, sampler, cfg.data.workers, cfg.data.start_method,
+                               pin=self.rt.kind == "cuda", prefetch_factor=cfg.data.prefetch_factor, worker_log=worker_log)
         return sampler, dl
 
     def materialize(self, batch: dict) -> dict:
