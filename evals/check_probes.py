@@ -2,7 +2,8 @@
 
 Every head kind of the probe config is fit on a fold's train rows with its hyperparameters chosen
 on the val rows; the fold's head kind is chosen on val by the one-standard-error rule (decision 8,
-docs/learning-check.md), and heads are scored on the test rows. A fold is the cohort's own split,
+docs/learning-check.md), and heads are scored on the test rows. The headline reads both encoders
+through one kind per fold, chosen on their mean val (decision 49: pair_choice). A fold is the cohort's own split,
 or, for the scanners cue, three scanners' train and val rows with the fourth scanner's test rows
 held out, each scanner in turn (evals/subsets.py). A label fraction narrows every fold's train
 rows to the same participants for every encoder. Encoders are compared on the same test rows
@@ -20,7 +21,8 @@ from evals import probe_metrics as pm
 from evals.config import ProbeConfig
 from manifests.aireadi import TASKS
 
-CHOSEN = "chosen_on_val"  # per fold, the head kind chosen on val (one_se_choice)
+CHOSEN = "chosen_on_val"  # per fold and encoder, the head kind chosen on its val (one_se_choice)
+SAME_KIND = "same_kind_chosen_on_val"  # per fold, one head kind for pretrained and random init (pair_choice)
 # the order the one-standard-error rule prefers: by parameters per head (d x classes; 4 d + 4 d x classes;
 # 2 x 64 d + 64 + d x classes)
 SIMPLEST_FIRST = ("linear", "attentive", "mil")
@@ -64,29 +66,39 @@ def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: 
 
 
 def fit_encoders(cfg: ProbeConfig, feats: list[dict], task: str, rows: list[dict], fs: list,
-                 full: list | None = None) -> list[dict]:
+                 full: list | None = None, pair: bool = False) -> list[dict]:
     """fit_encoder for each of several encoders' features of the same rows (the pretrained encoder
     and the random-init draws), each fold's heads of every encoder trained as one stack
-    (probe.fit_and_select_all): each encoder's result is the one it gets alone, float rounding apart."""
+    (probe.fit_and_select_all): each encoder's result is the one it gets alone, float rounding apart.
+    `pair`: feats are the pretrained encoder's, then random init's draws; every result then also
+    holds SAME_KIND, the kind pair_choice takes for them all per fold, with "pair_val": each fold's
+    pair score per kind."""
+    if pair and len(feats) < 2:
+        raise ValueError("pair: the pretrained encoder's features and at least one random-init draw's")
     y, split, groups, k = task_arrays(task, rows)
-    outs = [{kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []} for kind in [*cfg.heads, CHOSEN]}
-            for _ in feats]
+    outs = [{kind: {"prob": np.zeros((len(y), k)), "val": [], "heads": []}
+             for kind in [*cfg.heads, CHOSEN, *([SAME_KIND] if pair else [])]} for _ in feats]
     for out in outs:
         out[CHOSEN]["val_best"] = []
+        if pair:
+            out[SAME_KIND]["pair_val"] = []
     for i, (_, tr, va, te) in enumerate(fs):
         fcfg = cfg if full is None else dataclasses.replace(cfg, min_steps=fraction_steps(cfg, full[i][1]))
         fitted = [{} for _ in feats]
         for kind in cfg.heads:
             for e, (chosen, prob) in enumerate(probe.fit_and_select_all(kind, fcfg, feats, y, split, k, tr, va)):
                 fitted[e][kind] = (probe.val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"]), prob)
+        same, pair_val = pair_choice(fitted) if pair else (None, None)
         for out, fit in zip(outs, fitted):
             out[CHOSEN]["val_best"].append(max(fit, key=lambda h: fit[h][0]))
             pick = one_se_choice(fit, y, groups, va, k, cfg.bootstrap, cfg.seed)
-            for kind, head in [*((h, h) for h in fit), (CHOSEN, pick)]:
+            for kind, head in [*((h, h) for h in fit), (CHOSEN, pick), *([(SAME_KIND, same)] if pair else [])]:
                 rank, prob = fit[head]
                 out[kind]["prob"][te] = prob[te]
                 out[kind]["val"].append(rank[0])
                 out[kind]["heads"].append(head)
+            if pair:
+                out[SAME_KIND]["pair_val"].append(pair_val)
     return [{kind: {**v, "val": float(np.mean(v["val"]))} for kind, v in out.items()} for out in outs]
 
 
@@ -106,6 +118,21 @@ def one_se_choice(fitted: dict, y: np.ndarray, groups: np.ndarray, va: np.ndarra
         if d["difference_se"] is not None and d["difference"] <= d["difference_se"]:
             return kind
     return best
+
+
+def pair_choice(fitted: list[dict]) -> tuple[str, dict]:
+    """The head kind a fold's headline reads every encoder through (decision 49, docs/learning-check.md),
+    and the pair's val balanced accuracy of each kind: the kind with the best mean val score over the
+    pretrained encoder (fitted[0]) and random init (the others, its draws, whose mean counts once, as
+    its row reads their mean), a half each; ties by the mean val AUROC, then the simpler kind. One
+    kind for both, so the paired difference compares encoders, not heads; the mean over both favours
+    neither. fitted: per encoder, {kind: (val rank, probabilities of every row)}."""
+    def rank(kind: str) -> tuple[float, float]:
+        draws = np.mean([f[kind][0] for f in fitted[1:]], axis=0)
+        return tuple(float(v) for v in (np.asarray(fitted[0][kind][0]) + draws) / 2)
+
+    kinds = sorted(fitted[0], key=SIMPLEST_FIRST.index)
+    return max(kinds, key=rank), {kind: rank(kind)[0] for kind in kinds}
 
 
 def majority(task: str, rows: list[dict], fs: list) -> np.ndarray:
@@ -158,9 +185,10 @@ def probs(fit, kind: str = CHOSEN) -> list[np.ndarray]:
 
 
 def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed: int) -> dict:
-    """Pretrained against random-init for each head kind and for the heads each chose on val:
-    the learning check's table (fits: {encoder: fit_encoder(...), or a list of them for random
-    init's draws, whose mean the row reads; each draw's own row is kept under `random_draws`})."""
+    """Pretrained against random-init for each head kind, for the heads each chose on val and, where
+    the fits hold it, for the one kind chosen for the pair (SAME_KIND, with its `pair_val`): the
+    learning check's table (fits: {encoder: fit_encoder(...), or a list of them for random init's
+    draws, whose mean the row reads; each draw's own row is kept under `random_draws`})."""
     te = tested_rows(fs)
     _, _, groups, k = task_arrays(task, rows)
     out = {"task": task, "classes": k, "test_rows": int(te.sum()), "test_participants": int(len(set(groups[te]))),
@@ -178,18 +206,19 @@ def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed
             **({"val_best": {"pretrained": _heads(_kind(p, kind), "val_best"),
                              "random_init": _heads(_kind(r, kind), "val_best")}}
                if kind == CHOSEN else {}),  # the heads the best val score alone would have used
+            **({"pair_val": p[0][kind]["pair_val"]} if kind == SAME_KIND else {}),
             **mean_paired(task, rows, pp, rp, te, n_boot, seed),
-            **({"random_draws": draw_rows(task, rows, pp, r, te, n_boot, seed)}
-               if len(r) > 1 and kind == CHOSEN else {})}
+            **({"random_draws": draw_rows(task, rows, pp, r, te, n_boot, seed, kind)}
+               if len(r) > 1 and kind in (CHOSEN, SAME_KIND) else {})}
     return out
 
 
 def draw_rows(task: str, rows: list[dict], pretrained: list, rand: list, mask: np.ndarray, n_boot: int,
-              seed: int) -> list[dict]:
-    """Each random-init draw's own row, heads chosen on val (draw 1 is the one encoder the check read
-    before decision 44)."""
-    return [{"draw": i, "random_init": score(task, rows, d[CHOSEN]["prob"], mask, n_boot, seed)["balanced_accuracy"],
-             "head": _heads(d[CHOSEN]), **mean_paired(task, rows, pretrained, [d[CHOSEN]["prob"]], mask, n_boot, seed)}
+              seed: int, kind: str = CHOSEN) -> list[dict]:
+    """Each random-init draw's own row through `kind`'s heads (draw 1 is the one encoder the check
+    read before decision 44)."""
+    return [{"draw": i, "random_init": score(task, rows, d[kind]["prob"], mask, n_boot, seed)["balanced_accuracy"],
+             "head": _heads(d[kind]), **mean_paired(task, rows, pretrained, [d[kind]["prob"]], mask, n_boot, seed)}
             for i, d in enumerate(rand, 1)]
 
 

@@ -461,9 +461,14 @@ def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
                     f"(target: pretrained >= supervised)")
 
 
+def headline_row(task: dict) -> dict:
+    """The comparison a task's verdict reads: both encoders through the one head kind chosen on their
+    mean val (decision 49; each encoder's own choice, decision 8's, stays beside it as CHOSEN)."""
+    return task["comparisons"][check_probes.SAME_KIND]
+
+
 def verdict(result: dict) -> str:
-    b = result["tasks"][BINARY]["comparisons"][check_probes.CHOSEN]
-    m = result["tasks"][MULTI]["comparisons"][check_probes.CHOSEN]
+    b, m = headline_row(result["tasks"][BINARY]), headline_row(result["tasks"][MULTI])
     lo, target = b["difference_ci95"][0], result["target"]
     ok = b["difference"] >= target and lo is not None and lo > 0
     need_multi = result["protocol"] == "splits"
@@ -473,12 +478,12 @@ def verdict(result: dict) -> str:
     how = " (transductive pretraining)" if result["protocol"] == "scanners" else ""
     return (f"learning-check [{result['cue']}]{how}: {'PASS' if ok else 'FAIL'}: pretrained - random-init"
             f"{draws_said(result)} balanced accuracy "
-            f"(test, heads chosen on val, one-SE rule): {BINARY} {b['difference']:+.3f} "
-            f"[{_f(lo)}, {_f(b['difference_ci95'][1])}] "
-            f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} {m['difference']:+.3f} "
-            f"[{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] ({m['pretrained']:.3f} vs "
-            f"{m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} >= +{target:.2f} with the "
-            f"interval above 0{f', {MULTI} >= 0' if need_multi else ''}")
+            f"(test, both encoders through the head kind chosen on their mean val, decision 49): {BINARY} "
+            f"({b['pretrained_head']}) {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
+            f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} ({m['pretrained_head']}) "
+            f"{m['difference']:+.3f} [{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] "
+            f"({m['pretrained']:.3f} vs {m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} "
+            f">= +{target:.2f} with the interval above 0{f', {MULTI} >= 0' if need_multi else ''}")
 
 
 def draws_said(result: dict) -> str:
@@ -488,15 +493,15 @@ def draws_said(result: dict) -> str:
 
 
 def draws_line(result: dict) -> str | None:
-    """Each random-init draw's row for the binary task, heads chosen on val (None for one draw)."""
-    c = result["tasks"][BINARY]["comparisons"][check_probes.CHOSEN]
+    """Each random-init draw's row for the binary task, through the headline's heads (None for one draw)."""
+    c = headline_row(result["tasks"][BINARY])
     if "random_draws" not in c:
         return None
     seeds = result.get("random_init_seeds") or [None] * len(c["random_draws"])
     each = "; ".join(f"draw {d['draw']} (init seed {s}) {d['random_init']:.3f} ({d['head']}), pretrained - it {_diff(d)}"
                      for d, s in zip(c["random_draws"], seeds))
     return (f"Random init is the mean of {len(c['random_draws'])} encoders drawn with their own init seeds, each "
-            f"with its heads chosen on val (decision 44); {BINARY}: {each}.")
+            f"read through the head kind chosen for the pair (decisions 44 and 49); {BINARY}: {each}.")
 
 
 def _f(v) -> str:
@@ -620,14 +625,14 @@ def _num(v) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Test balanced accuracy per encoder (heads chosen on val) with intervals, the
+    """Test balanced accuracy per encoder (the headline's heads) with intervals, the
     label-efficiency curve, and the online probe."""
     plt = plots.pyplot()
     curve = result["online_probe"]
     fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(15 if curve else 10, 4), squeeze=False)
     ax = axes[0][0]
     for i, (task, t) in enumerate(result["tasks"].items()):
-        c = t["comparisons"][check_probes.CHOSEN]
+        c = headline_row(t)
         for j, (name, v, ci) in enumerate((("pretrained", c["pretrained"], c["pretrained_ci95"]),
                                            ("random-init", c["random_init"], c["random_init_ci95"]),
                                            ("majority", t["majority_class"], None))):
@@ -636,7 +641,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks([1, 5], list(result["tasks"]))
     ax.set_ylabel("test balanced accuracy")
     ax.legend(fontsize=8)
-    ax.set_title(f"{result['cue']}: heads chosen on val, 95% participant bootstrap", fontsize=9)
+    ax.set_title(f"{result['cue']}: one head kind for both, chosen on val, 95% participant bootstrap", fontsize=9)
     ax = axes[0][1]
     pts = result["label_efficiency"]["points"]
     x = [100 * p["fraction"] for p in pts]
@@ -726,7 +731,8 @@ def frozen_probe(fitted: dict) -> np.ndarray:
 def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: str, n_boot: int,
                     together: int | None = None) -> dict:
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
-    the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`).
+    the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`;
+    the verdict reads the one kind chosen for the pair, decision 49).
     Done once, right after the features (the interim result); probe_all builds on it. Random init is
     each of its draws (decision 44); a task's fits of every encoder train as one stack of heads
     (check_probes.fit_encoders). `together` (not None): the two tasks each in its own process at
@@ -734,7 +740,8 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
     batch 32 leaves the GPU mostly idle; the CPU size: two single-thread processes use the cores
     better; the same fits)."""
     fs, encs = check_probes.folds(rows, protocol), ["pretrained", *probe.random_draws(feats)]
-    jobs = {t: (check_probes.fit_encoders, (pcfg, [feats[e] for e in encs], t, rows, fs)) for t in (MULTI, BINARY)}
+    jobs = {t: (check_probes.fit_encoders, (pcfg, [feats[e] for e in encs], t, rows, fs, None, True))
+            for t in (MULTI, BINARY)}
     done = in_processes(jobs, len(jobs), threads=together) if together is not None else \
         {t: _call(job) for t, job in jobs.items()}
     fits = {t: {"pretrained": done[t][0], "random_init": done[t][1:]} for t in (MULTI, BINARY)}

@@ -1,17 +1,19 @@
 """The learning check's head choice on val (decision 8): the simplest head kind within one
-paired-bootstrap standard error of the best, not the best val score outright."""
+paired-bootstrap standard error of the best, not the best val score outright; and the headline's
+one kind for both encoders, chosen on their mean val (decision 49)."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 from evals import check_probes, probe
 from evals import probe_metrics as pm
 
 
-def predictions(y: np.ndarray, wrong: np.ndarray) -> np.ndarray:
-    """Binary class probabilities that are right everywhere but at `wrong`."""
-    pred = np.where(wrong, 1 - y, y)
-    return np.eye(2)[pred] * 0.8 + 0.1
+def predictions(y: np.ndarray, wrong: np.ndarray, k: int = 2) -> np.ndarray:
+    """Class probabilities that are right everywhere but at `wrong` (there the next class)."""
+    pred = np.where(wrong, (y + 1) % k, y)
+    return np.eye(k)[pred] * 0.8 + 0.2 / k
 
 
 def fitted_heads(y, groups, va, wrong_linear, wrong_attentive) -> dict:
@@ -164,3 +166,90 @@ def test_random_init_rows_are_the_mean_of_their_draws():
         alone = [check_probes.score("diabetic", rows, f[check_probes.CHOSEN]["prob"], te, 50, 0)["balanced_accuracy"]
                  for f in rand]
         assert abs(scanners[name]["random_init"] - np.mean(alone)) < 1e-12
+
+
+def _designed_heads(monkeypatch, wrong: dict) -> None:
+    """probe.fit_and_select_all replaced by heads set here: each encoder's features name it (`tag`), and
+    its head of a kind errs at wrong[tag][kind] (the lr x wd choice is not what these tests are about)."""
+    def fit_and_select_all(kind, cfg, feats, y, split, k, tr, va):
+        probs = [predictions(y, wrong[f["tag"]][kind], k) for f in feats]
+        return [({"val_balanced_accuracy": pm.balanced_accuracy(y[va], p[va].argmax(1), k),
+                  "val_auroc": pm.macro_auroc(y[va], p[va])}, p) for p in probs]
+    monkeypatch.setattr(probe, "fit_and_select_all", fit_and_select_all)
+
+
+def _participants() -> list[dict]:
+    """400 participants, one row each: 150 val, 150 test, 100 train; study groups drawn at random."""
+    split = ["val"] * 150 + ["test"] * 150 + ["train"] * 100
+    return [{"label": int(lab), "split": split[i], "participant_id": f"p{i}"}
+            for i, lab in enumerate(np.random.default_rng(3).integers(0, 4, 400))]
+
+
+def _headline(wrong: dict):
+    """learning_check.headline_probes for a pretrained encoder and two random-init draws, tagged in
+    that order by `wrong`'s keys, on _participants, and the verdict read of it."""
+    from evals import learning_check
+    from evals.config import ProbeConfig
+
+    feats = {name: {"tag": tag} for name, tag in zip(["pretrained", "random_init", "random_init_2"], wrong)}
+    head = learning_check.headline_probes(ProbeConfig(heads=["linear", "attentive"], bootstrap=200), _participants(),
+                                          feats, "splits", 200)
+    result = {"tasks": head["tasks"], "target": 0.10, "protocol": "splits", "cue": "lesions", "random_draws": 2}
+    return head, learning_check.verdict(result)
+
+
+def _erring(n: int, seed: int, share: float) -> np.ndarray:
+    return np.random.default_rng(seed).random(n) < share
+
+
+def test_the_headline_reads_both_encoders_through_the_kind_chosen_for_the_pair(monkeypatch):
+    """Issue 65's case: the one-SE rule keeps the pretrained encoder's linear head (its attentive head
+    better on val, within one standard error) and gives random init the attentive one. Decision 49:
+    the verdict reads both through one kind, here attentive, and its row is the attentive heads' row."""
+    n, va = 400, np.arange(400) < 150
+    base = _erring(n, 0, 0.35)
+    close = np.roll(base, 7)
+    close[np.flatnonzero(close & va)[:3]] = False               # 3 more right on val: within one SE
+    wrong = {"pre": {"linear": base, "attentive": close},
+             **{f"r{d}": {"linear": base | _erring(n, 10 + d, 0.3), "attentive": np.roll(base, 11 + d)}
+                for d in (1, 2)}}                               # random init: attentive far better on val
+    _designed_heads(monkeypatch, wrong)
+    head, verdict = _headline(wrong)
+    t = head["tasks"]["diabetic"]["comparisons"]
+    mixed, attentive = t[check_probes.CHOSEN], t["attentive"]
+    assert (mixed["pretrained_head"], mixed["random_head"]) == ("linear", "attentive")    # decision 8's rows
+    assert f"diabetic (attentive) {attentive['difference']:+.3f} " in verdict
+    assert f"{mixed['difference']:+.3f}" not in verdict
+    same = t[check_probes.SAME_KIND]
+    assert same["pretrained_head"] == same["random_head"] == "attentive"
+    for key in ("pretrained", "random_init", "difference", "difference_ci95", "difference_se", "val"):
+        assert same[key] == attentive[key]
+    assert [d["head"] for d in same["random_draws"]] == ["attentive", "attentive"]
+
+
+def test_random_init_draws_count_once_together_in_the_pairs_choice(monkeypatch):
+    """Decision 49: the pair's score of a kind is the mean of pretrained's val and random init's (its
+    draws' mean), a half each, not a mean over three encoders; the choice and its scores are recorded."""
+    n, va = 400, np.arange(400) < 150
+    base = _erring(n, 0, 0.3)
+    worse = base.copy()
+    worse[np.flatnonzero(~base & va)[:30]] = True               # pretrained: linear 30 val rows better
+    wrong = {"pre": {"linear": base, "attentive": worse}}
+    for d in (1, 2):                                             # each draw: attentive 18 val rows better
+        b = _erring(n, 20 + d, 0.3)
+        w = b.copy()
+        w[np.flatnonzero(~b & va)[:18]] = True
+        wrong[f"r{d}"] = {"linear": w, "attentive": b}
+    _designed_heads(monkeypatch, wrong)
+    head, verdict = _headline(wrong)
+    y, _, _, k = check_probes.task_arrays("diabetic", _participants())
+    val = {tag: {kind: pm.balanced_accuracy(y[va], predictions(y, m, k)[va].argmax(1), k) for kind, m in kinds.items()}
+           for tag, kinds in wrong.items()}
+    pair = {kind: (val["pre"][kind] + (val["r1"][kind] + val["r2"][kind]) / 2) / 2 for kind in ("linear", "attentive")}
+    three = {kind: np.mean([v[kind] for v in val.values()]) for kind in ("linear", "attentive")}
+    assert pair["linear"] > pair["attentive"] and three["attentive"] > three["linear"]   # the case tells them apart
+    assert "diabetic (linear) " in verdict
+    same = head["tasks"]["diabetic"]["comparisons"][check_probes.SAME_KIND]
+    assert same["pretrained_head"] == same["random_head"] == "linear"
+    assert same["pair_val"] == [pytest.approx(pair)]
+    assert [d["head"] for d in same["random_draws"]] == ["linear", "linear"]

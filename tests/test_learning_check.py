@@ -34,7 +34,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     for task, classes in (("diabetic", 2), ("study_group", 4)):
         t = res["tasks"][task]
         assert t["classes"] == classes and t["test_participants"] >= 2
-        assert set(t["comparisons"]) == {"linear", "attentive", "chosen_on_val"}
+        assert set(t["comparisons"]) == {"linear", "attentive", "chosen_on_val", "same_kind_chosen_on_val"}
         for c in t["comparisons"].values():
             lo, hi = c["difference_ci95"]
             assert abs(c["difference"] - (c["pretrained"] - c["random_init"])) < 1e-9
