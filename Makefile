@@ -104,7 +104,7 @@ demo: $(STAMP)
 	$(PY) -m evals.leaderboard --config configs/probe.yaml --run runs/pretrain_smoke
 	$(PY) -m report --cache $(CACHE) --run runs/pretrain_smoke
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
-	@$(PY) -m evals.learning_check --line runs/pretrain_smoke
+	@$(PY) -m check.learning_check --line runs/pretrain_smoke
 
 test: $(STAMP) test-deps
 	$(PY) -m pytest -q --ignore=tests/xla -m "not slow" -n 2 --dist worksteal --durations=15
@@ -169,7 +169,7 @@ learning-check-device:
 	@test -n "$(OUT)" || { echo "make learning-check-device: set OUT=<folder for the result files>" >&2; exit 2; }
 	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
 	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
-	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(if $(TIMEOUT),timeout $(TIMEOUT)) $(DEVICE_PY) -m evals.learning_check --size gpu \
+	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(if $(TIMEOUT),timeout $(TIMEOUT)) $(DEVICE_PY) -m check.learning_check --size gpu \
 	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) \
 	  $(if $(filter 0,$(FINETUNE)),,--finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3))) \
 	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(if $(SMOKE),$(SMOKE_ARGS)) $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
@@ -182,7 +182,7 @@ bench: $(STAMP)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m evals.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(filter-out 0,$(FINETUNE)),--finetune) \
+	$(PY) -m check.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(filter-out 0,$(FINETUNE)),--finetune) \
 		$(if $(FT_SEEDS),$(if $(filter-out 0,$(FINETUNE)),--finetune-seeds $(FT_SEEDS),$(error FT_SEEDS needs FINETUNE=1))) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 mirror: $(STAMP)

@@ -10,14 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evals.learning_check import CUES
+from check.cohort import CUES
 
 QUICK = ["--participants", "24", "--bootstrap", "200", "max_steps=20", "ckpt_every=20", "log_every=10"]
 
 
 def one_cue(workdir: Path, cue: str, quick: bool) -> dict:
     out = workdir / "result"
-    args = [sys.executable, "-m", "evals.learning_check", "--cue", cue, "--work", str(workdir / "data"),
+    args = [sys.executable, "-m", "check.learning_check", "--cue", cue, "--work", str(workdir / "data"),
             "--out", str(out), *(QUICK if quick else [])]
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:

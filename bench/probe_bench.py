@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evals import check_probes
+from check import probes as check_probes
 from evals.config import ProbeConfig
 
 ENCODERS, ROWS, TOKENS, DIM = 4, 1500, 72, 96

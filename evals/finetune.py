@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from evals import check_probes, features, probe, probe_heads, subsets
+from evals import features, probe, probe_heads, subsets
+from evals.backbone import Backbone, load_backbone, training_seed
 from evals import probe_metrics as pm
 from evals.config import FinetuneConfig, ProbeConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
 from train import checkpoint, data, encoder, metrics, runtime, schedule
-from train.config import DataConfig, TrainConfig
 from train.model import Encoder, set_drop_path
 from train.step import decays, guarded_step, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
 from train.run_folder import RunFolder
@@ -47,60 +47,14 @@ from train.run_folder import RunFolder
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
 
 
-class Backbone(NamedTuple):
-    encoder: Encoder
-    train_config: TrainConfig   # architecture, input and cache of the encoder (a model folder's, rebuilt)
-    ident: dict                 # what it was loaded from
-
-
-def is_model_folder(path: str) -> bool:
-    return (Path(path) / encoder.CONFIG_FILE).is_file()
-
-
 def run_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, task: str, device: str,
                *args: str) -> FinetuneConfig:
     """configs/finetune.yaml as users run it, for one scripted run (the learning check's rows,
-    evals/finetune_seeds.py): bf16 on cuda, fp32 elsewhere; `args` override any key."""
+    check/finetune_seeds.py): bf16 on cuda, fp32 elsewhere; `args` override any key."""
     return config.load(FinetuneConfig, "configs/finetune.yaml",
                        [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
                         f"seed={seed}", f"task={task}", f"device={device}",
                         f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
-
-
-def training_seed(cfg: FinetuneConfig) -> int:
-    """The seed of everything random in training; `seed` alone picks the labelled participants."""
-    return cfg.seed if cfg.train_seed is None else cfg.train_seed
-
-
-def load_backbone(cfg: FinetuneConfig) -> Backbone:
-    """The encoder to fine-tune: a checkpoint's EMA target, or a model folder's weights; with
-    `init: random` the same architecture freshly initialised from the training seed."""
-    if not cfg.ckpt:
-        raise cli.UsageError("ckpt: set CKPT=<checkpoint or model folder> (or ckpt: in the config)")
-    if is_model_folder(cfg.ckpt):
-        enc, tcfg, ident = folder_encoder(cfg.ckpt)
-    else:
-        enc, tcfg, ident = features.checkpoint_encoder(cfg.ckpt)
-    if cfg.init == "random":
-        torch.manual_seed(training_seed(cfg))
-        enc = Encoder(tcfg.model, tcfg.data.input_shape)
-        ident = {**ident, "init": "random", "seed": training_seed(cfg)}
-    if cfg.cache:
-        tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(tcfg.data, cache=cfg.cache))
-    return Backbone(enc, tcfg, ident)
-
-
-def folder_encoder(folder: str) -> tuple[Encoder, TrainConfig, dict]:
-    """A model folder's encoder and a training config that rebuilds it (architecture, stride,
-    input shape), so the best epoch is saved in the checkpoint format every stage reads."""
-    conf = encoder.read_config(folder)
-    module = encoder.load_encoder(folder)
-    if (module.mean, module.std) != (data.PIXEL_MEAN, data.PIXEL_STD):
-        raise cli.UsageError(f"{folder}/{encoder.CONFIG_FILE}: normalization {conf['normalization']} is not the "
-                             f"trainer's ({data.PIXEL_MEAN}, {data.PIXEL_STD}); fine-tuning would feed it other inputs")
-    tcfg = TrainConfig(model=encoder.architecture(conf), data=DataConfig(
-        cache=(conf.get("cache") or {}).get("uri") or "data/cache", stride=module.stride, input_shape=module.input_shape))
-    return module.encoder, tcfg, {"model_folder": str(folder), **checkpoint.identity(str(Path(folder) / encoder.WEIGHTS_FILE))}
 
 
 class Labelled(Dataset):
@@ -213,7 +167,7 @@ class Finetuner:
     def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None,
                  dataset=None):
         """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`); `dataset(ds, y)`:
-        wraps the labelled crops (default Labelled; evals/cohort_screen.py plants a cue with it)."""
+        wraps the labelled crops (default Labelled; check/cohort_screen.py plants a cue with it)."""
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
         self.cfg, self.rt, self.dataset = cfg, rt, dataset or Labelled
@@ -299,7 +253,7 @@ class Finetuner:
         pooled, tokens = self.start_features(enc, fit, any(probe_heads.reads_tokens(k) for k in kinds))
         pcfg = ProbeConfig(heads=kinds, standardize=cfg.standardize, token_pool=cfg.token_pool,
                            seed=training_seed(cfg), device="cpu" if self.rt.kind == "xla" else str(self.rt.device))
-        pcfg.min_steps = check_probes.fraction_steps(pcfg, self.split == "train")
+        pcfg.min_steps = probe.fraction_steps(pcfg, self.split == "train")
         grids = {k: probe.fit_grid(k, pcfg, {"pooled": pooled, "tokens": tokens}, self.y[fit], self.split[fit],
                                    self.spec["classes"], self.train[fit], self.split[fit] == "val") for k in kinds}
         kind = max(kinds, key=lambda k: probe.val_rank(*grids[k].val))
@@ -407,7 +361,7 @@ class Finetuner:
         """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
         them), through the probes' features loop (features.extract_all) and the head. `change(x, start)`
         edits each uint8 batch first, `start` its first row's index among the masked rows
-        (evals/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the loop calls
+        (check/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the loop calls
         set_phase after a score)."""
         self.model.eval()
         batches = self.inputs(mask)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -73,6 +74,12 @@ def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
     """The order heads and checkpoints are chosen by: val balanced accuracy, then val AUROC
     (an undefined score ranks last). Only val scores ever reach it."""
     return float(np.nan_to_num(balanced_accuracy, nan=-1)), float(np.nan_to_num(auroc, nan=-1))
+
+
+def fraction_steps(cfg: ProbeConfig, full_train: np.ndarray) -> int:
+    """The optimizer steps a label fraction's heads train on a fold: those `epochs` take on the
+    fold's full train rows, or `min_steps` where more (decision 32, docs/learning-check.md)."""
+    return max(cfg.min_steps, cfg.epochs * math.ceil(int(full_train.sum()) / cfg.batch_size))
 
 
 class GridFit(NamedTuple):

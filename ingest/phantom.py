@@ -188,7 +188,7 @@ def lesion_table(draws: VolumeDraws, laterality: str, label: int | None, signal:
     """Where each lesion of an eye sits, in the rendered (upright) volume's coordinates: frame `y`
     and column `x` in [-1, 1] (linspace over the axis), depth `z` in [0, 1] (row centres at
     (i + 0.5) / rows), the radii on those axes and the kind. The token-level probe reads it
-    (evals/token_probe.py); a cache resized over the whole extent keeps these fractions."""
+    (check/token_probe.py); a cache resized over the whole extent keeps these fractions."""
     out = []
     for les in (eye.lesions if eye else ()):
         b = layer_bounds(np.float32(les.y), np.float32(les.x), draws.tilt, draws.lift, laterality, label, signal, eye)

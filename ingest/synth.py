@@ -26,7 +26,7 @@ from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
 from tqdm import tqdm
 
-# LESION_EDGE is not used here: evals/token_probe.py reads it as synth.LESION_EDGE
+# LESION_EDGE is not used here: check/token_probe.py reads it as synth.LESION_EDGE
 from ingest.phantom import (LESION_COLUMNS, LESION_EDGE, Eye, VolumeDraws, draw_volume, lesion_table,  # noqa: F401
                             render_volume, sample_eye)
 from manifests.aireadi import SITES, STUDY_GROUPS

@@ -1,5 +1,6 @@
 """The one way this project starts worker processes: the cohort writer's and the cache build's
-pools, and the training loaders.
+pools, the training loaders, and jobs each in a process of its own (`in_processes`: the learning
+check's references, fine-tuning runs and probe fits at once).
 
 forkserver, not fork: a caller may hold torch's threads or zarr's event loop, and zarr 3
 deadlocks in children forked from a process whose loop is running (spawn where forkserver is
@@ -13,12 +14,16 @@ an H200 (docs/accelerators.md).
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
+import resource
 import sys
+import time
+import traceback
 from multiprocessing import forkserver
 from typing import Sequence
 
 HEAVY = ("torch", "cache.worker", "train.data", "monai.transforms")  # torch, zarr, pydicom, numpy, the crops
-OURS = ("bench", "cache", "evals", "ingest", "manifests", "octfm", "train")  # packages whose modules guard main()
+OURS = ("bench", "cache", "check", "evals", "ingest", "manifests", "octfm", "train")  # packages whose modules guard main()
 
 
 def preload_modules(base: Sequence[str] = HEAVY) -> list[str]:
@@ -78,3 +83,88 @@ def _serve(modules: list[str]) -> None:
         server.set_forkserver_preload(modules)
         _served = set(modules)
     server.ensure_running()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its waited-for children so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def in_processes(jobs: dict, width: int, ended=None, threads: int = 0) -> dict:
+    """{name: result} of each named job, (a module-level function, its arguments), each in its
+    own process, `width` at a time, started in the order given, each on `threads` torch threads
+    (0: torch's default); `ended(name, wall s, cpu s)` as each one ends. A failure, or Ctrl-C,
+    is raised at once: the queued jobs do not start and the running ones are ended, not waited for
+    (a supervised reference runs tens of minutes; a pool's shutdown would wait for it)."""
+    ctx = worker_context()
+    queued, running, out = list(jobs.items()), {}, {}
+    try:
+        while queued or running:
+            while queued and len(running) < width:
+                name, (fn, args) = queued.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_job, args=(send, threads, fn, args), name=f"octfm-job {name}")
+                proc.start()
+                send.close()
+                running[recv] = (name, proc)
+            for recv in multiprocessing.connection.wait(list(running)):
+                name, proc = running.pop(recv)
+                out[name], wall, cpu = _job_result(name, recv, proc)
+                if ended:
+                    ended(name, wall, cpu)
+    finally:
+        for _, proc in running.values():
+            proc.terminate()
+        for _, proc in running.values():
+            proc.join()
+    return {name: out[name] for name in jobs}
+
+
+def _job(send, threads: int, fn, args) -> None:
+    """A job's process: _timed(threads, fn, *args) sent back as (True, result) or, raised, (False,
+    the exception with its traceback in a note)."""
+    try:
+        result = (True, _timed(threads, fn, *args))
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the parent (in_processes)
+        exc.add_note("in the job's process:\n" + "".join(traceback.format_exception(exc)))
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # noqa: BLE001 - the result or the exception does not pickle
+        what = "result" if result[0] else f"exception ({result[1]!r})"
+        send.send((False, RuntimeError(f"{getattr(fn, '__name__', fn)}: its {what} could not be sent back: "
+                                       f"{type(exc).__name__}: {exc}")))
+
+
+def _job_result(name: str, recv, proc) -> tuple:
+    """A finished job's (result, wall s, cpu s); its exception raised; a process that died without
+    an answer said."""
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{name}: its process ended without a result (exit status {proc.exitcode}; out of "
+                           "memory?)") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def call_job(job: tuple):
+    """A job, (a module-level function, its arguments), run here."""
+    fn, args = job
+    return fn(*args)
+
+
+def _timed(threads: int, fn, *args):
+    """fn(*args) in a job's process on `threads` torch threads (0: as it is), with its wall and
+    CPU seconds."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    out = fn(*args)
+    return out, round(time.perf_counter() - t0, 1), round(cpu_seconds() - c0, 1)

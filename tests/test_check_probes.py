@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from evals import check_probes, probe
+from check import probes as check_probes, rows as check_rows, verdicts
+from evals import probe
 from evals import probe_metrics as pm
 
 
@@ -186,16 +187,15 @@ def _participants() -> list[dict]:
 
 
 def _headline(wrong: dict):
-    """learning_check.headline_probes for a pretrained encoder and two random-init draws, tagged in
+    """check_rows.headline_probes for a pretrained encoder and two random-init draws, tagged in
     that order by `wrong`'s keys, on _participants, and the verdict read of it."""
-    from evals import learning_check
     from evals.config import ProbeConfig
 
     feats = {name: {"tag": tag} for name, tag in zip(["pretrained", "random_init", "random_init_2"], wrong)}
-    head = learning_check.headline_probes(ProbeConfig(heads=["linear", "attentive"], bootstrap=200), _participants(),
-                                          feats, "splits", 200)
+    head = check_rows.headline_probes(ProbeConfig(heads=["linear", "attentive"], bootstrap=200), _participants(),
+                                feats, "splits", 200)
     result = {"tasks": head["tasks"], "target": 0.10, "protocol": "splits", "cue": "lesions", "random_draws": 2}
-    return head, learning_check.verdict(result)
+    return head, verdicts.verdict(result)
 
 
 def _erring(n: int, seed: int, share: float) -> np.ndarray:

@@ -7,18 +7,18 @@ import dataclasses
 import pytest
 
 from conftest import run_cli
-from evals import learning_check
-from evals.cohort_screen import statistics_scores
+from check import cohort
+from check.cohort_screen import statistics_scores
 from ingest import phantom, synth
 
 
 def cached_cohort(root, participants: int):
-    """The learning check's own cohort generator (`learning_check.COHORT`: the cue, seed and
+    """The learning check's own cohort generator (`cohort.COHORT`: the cue, seed and
     everything but the size), its first `participants`, both eyes, four devices, cached by the
     real `cache.build` at the learning check's shape."""
-    synth.generate(root / "ds", dataclasses.replace(learning_check.COHORT, participants=participants))
+    synth.generate(root / "ds", dataclasses.replace(cohort.COHORT, participants=participants))
     r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
-                *learning_check.CACHE_ARGS)
+                *cohort.CACHE_ARGS)
     assert r.returncode == 0, r.stderr
     return root
 
@@ -45,11 +45,11 @@ def test_label_is_local_not_global(lesion_cohort):
 
 
 def test_planted_cue_marks_positive_crops_only():
-    """The screen's planted cube (evals/cohort_screen.py) brightens 8 x 16 x 16 voxels of each
+    """The screen's planted cube (check/cohort_screen.py) brightens 8 x 16 x 16 voxels of each
     positive crop and leaves negative crops as they were."""
     import torch
 
-    from evals.cohort_screen import Planted
+    from check.cohort_screen import Planted
 
     class Crops:
         def __getitem__(self, key):
@@ -64,12 +64,12 @@ def test_planted_cue_marks_positive_crops_only():
 
 @pytest.mark.slow  # 15 s with its cohort: the heavy lane
 def test_cohort_screen_end_to_end(small_cohort, tmp_path):
-    """`python -m evals.cohort_screen` on the test cohort (its statistics are the test above):
+    """`python -m check.cohort_screen` on the test cohort (its statistics are the test above):
     a short supervised reference (with a planted cue, which its scoring plants too) and its
     own-head scores land in screen.json, and the verdict line is printed."""
     import json
 
-    r = run_cli("evals.cohort_screen", "--cache", str(small_cohort / "cache"), "--out", str(tmp_path / "s"),
+    r = run_cli("check.cohort_screen", "--cache", str(small_cohort / "cache"), "--out", str(tmp_path / "s"),
                 "--steps", "4", "--plant", "60", "--no-stats", "batch_size=2", "data.workers=0")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "s" / "screen.json").read_text())
@@ -86,7 +86,7 @@ def test_cohort_screen_end_to_end(small_cohort, tmp_path):
 ])
 def test_screen_verdict_applies_both_bars(val, glob, qualifies):
     """The verdict needs the supervised reference's val score >= 0.65 and global statistics < 0.58."""
-    from evals.cohort_screen import verdict
+    from check.cohort_screen import verdict
 
     res = {"supervised": {"val": val}, **({} if glob is None else {"statistics": {"global": glob}})}
     assert verdict(res).startswith("cohort-screen: QUALIFIES" if qualifies else "cohort-screen: does not qualify")
@@ -140,7 +140,7 @@ def test_retinal_thickness_reads_the_bright_band():
     boundaries, grey between, as in a B-scan), not its brightness."""
     import numpy as np
 
-    from evals.cohort_screen import retinal_thickness
+    from check.cohort_screen import retinal_thickness
 
     def retina(top, height, gain=1.0):
         vol = np.full((8, 64, 32), 20.0)
@@ -158,7 +158,7 @@ def test_the_lesion_counter_reads_the_centre_of_any_shape():
     256-wide volume went uncounted)."""
     import numpy as np
 
-    from evals.cohort_screen import lesion_counts
+    from check.cohort_screen import lesion_counts
 
     def with_blob(at):
         vol = np.full((32, 256, 256), 150.0)
@@ -176,7 +176,7 @@ def test_generator_bytes_do_not_depend_on_workers(tmp_path):
     """The random numbers are drawn in one stream in the caller; a pool of processes renders and
     writes the volumes: the same tree, byte for byte, as in one process (lesions, the layers cue,
     a JPEG 2000 scanner (participant 3, a Cirrus) and a Spectralis OCTA cube included)."""
-    cfg = dataclasses.replace(learning_check.COHORT, participants=6, scale=16, layers=0.2)
+    cfg = dataclasses.replace(cohort.COHORT, participants=6, scale=16, layers=0.2)
     synth.generate(tmp_path / "one", cfg, workers=0)
     synth.generate(tmp_path / "pool", cfg, workers=2)
     one, pool = _tree_bytes(tmp_path / "one"), _tree_bytes(tmp_path / "pool")
@@ -213,7 +213,7 @@ def test_the_lesion_table_points_at_the_voxels_each_lesion_changed():
 def test_the_cohort_writes_its_lesion_table(tmp_path):
     import pandas as pd
 
-    cfg = dataclasses.replace(learning_check.COHORT, participants=4, scale=16)
+    cfg = dataclasses.replace(cohort.COHORT, participants=4, scale=16)
     counts = synth.generate(tmp_path, cfg, workers=0)
     table = pd.read_csv(tmp_path / synth.LESION_TABLE, sep="\t", dtype={"participant_id": str})
     files = set(pd.read_csv(tmp_path / "retinal_oct" / "manifest.tsv", sep="\t")["filepath"])

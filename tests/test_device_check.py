@@ -58,7 +58,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
 def test_the_budget_skips_what_it_cannot_fit_and_says_so(tmp_path):
     """Each variant after the first starts only with the budget it needs left; a skipped or failed
     one is recorded with its reason and the next still runs (a call cut short keeps the rest)."""
-    from bench import device_check as dc
+    from bench import device_check as dc, device_report
 
     left = iter([100, 10, 100])  # read once per variant that needs budget (b, c, d)
     ctx = {"left": lambda: next(left), "out": tmp_path, "results": {}}
@@ -75,7 +75,7 @@ def test_the_budget_skips_what_it_cannot_fit_and_says_so(tmp_path):
     assert ran == ["a", "b", "d"] and got["b"]["seen"] == ["a"]
     assert "50 s of budget needed, 10 s left" in got["c"]["skipped"] and "out of memory" in got["d"]["error"]
     assert json.loads((tmp_path / "device_check.json").read_text())["production"]["d"]["error"]
-    lines = dc.step_table(got, "t")
+    lines = device_report.step_table(got, "t")
     assert any(ln.startswith("| c | skipped: 50 s") for ln in lines) and any(ln.startswith("| d | failed:") for ln in lines)
 
 

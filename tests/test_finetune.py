@@ -160,13 +160,13 @@ def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, 
     one (configs/probe.yaml's grid, the full train split's steps, chosen on val) on the starting
     encoder's features of the label fraction's train rows; the fine-tuner's own predictions then are
     that probe's. `head_init=zero`: a zero head, as before."""
-    from evals import check_probes, probe
+    from evals import probe
     from evals.config import ProbeConfig
 
     ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1, head="linear", head_init="probe"))
     feats = {"pooled": _all_embeddings(ft)[0], "tokens": None}
     pcfg = ProbeConfig(heads=["linear"], seed=ft.cfg.seed)
-    pcfg.min_steps = check_probes.fraction_steps(pcfg, ft.split == "train")
+    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
     chosen, prob = probe.fit_and_select("linear", pcfg, feats, ft.y, ft.split, 2, ft.train, ft.split == "val")
     assert ft.head_fit["lr"] == chosen["lr"] and ft.head_fit["weight_decay"] == chosen["weight_decay"]
     assert ft.head_fit["val_balanced_accuracy"] == pytest.approx(chosen["val_balanced_accuracy"])
@@ -182,13 +182,13 @@ def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretra
     """Decision 39: `head: auto` fits a probe of each of the probes' kinds on the
     starting features and fine-tunes the one val ranks first, started as that probe; the kind is
     what the run reports and exports. It needs a fitted start: with head_init=zero it is refused."""
-    from evals import check_probes, probe
+    from evals import probe
     from evals.config import ProbeConfig
 
     ft = _finetuner(_cfg(pretrained, tmp_path / "auto", label_fraction=0.5, epochs=1, head="auto", head_init="probe"))
     pooled, tokens = _all_embeddings(ft)
     pcfg = ProbeConfig(seed=ft.cfg.seed)
-    pcfg.min_steps = check_probes.fraction_steps(pcfg, ft.split == "train")
+    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
     fits = {k: probe.fit_and_select(k, pcfg, {"pooled": pooled, "tokens": tokens}, ft.y, ft.split, 2, ft.train,
                                     ft.split == "val") for k in ("linear", "attentive")}
     best = max(fits, key=lambda k: probe.val_rank(fits[k][0]["val_balanced_accuracy"], fits[k][0]["val_auroc"]))

@@ -1,8 +1,8 @@
-"""evals/finetune_seeds.py: fine-tuning runs over seeds, read back and paired (issue 41, item 4)."""
+"""check/finetune_seeds.py: fine-tuning runs over seeds, read back and paired (issue 41, item 4)."""
 import numpy as np
 import pytest
 
-from evals import finetune_seeds as fs
+from check import finetune_seeds as fs
 from evals import probe
 from evals import probe_metrics as pm
 from manifests.aireadi import TASKS

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_train_args
-from evals import learning_check
-from octfm import cli
+from check import keys, learning_check, report, rows as check_rows, verdicts
+from octfm import cli, procs
 
 PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
 
@@ -25,7 +25,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
               for x in ("--finetune-arg", kv)]  # the references' too: they are `make finetune` from random init
     args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--random-draws", "2",
             *PROBE, *budget, *train]
-    r = run_cli("evals.learning_check", *args)
+    r = run_cli("check.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     verdict = r.stdout.strip().splitlines()[-1]
     assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init (mean of 2 draws)" in verdict
@@ -43,7 +43,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         assert [d["draw"] for d in draws] == [1, 2]
         assert abs(t["comparisons"]["chosen_on_val"]["random_init"] - np.mean([d["random_init"] for d in draws])) < 1e-9
     assert res["random_draws"] == 2 and res["random_init_seeds"] == [1, 2]
-    assert learning_check.draws_line(res) in (out / "lesions" / "result.md").read_text()
+    assert verdicts.draws_line(res) in (out / "lesions" / "result.md").read_text()
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "supervised features",    # the three references' in one pass
                                   "references and fine-tuning", learning_check.CURVE_JOB,  # at once (decision 47)
@@ -63,7 +63,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res["training"]["steps"] == 4
     trained = res["supervised_training"]                                 # each reference: make finetune from scratch
     assert set(trained) == {"100%", "25%", "10%"} and all(t["epochs_run"] == 1 for t in trained.values())
-    assert learning_check.reference_training_line(trained) in (out / "lesions" / "result.md").read_text()
+    assert report.reference_training_line(trained) in (out / "lesions" / "result.md").read_text()
     assert [r["step"] for r in res["online_probe"]] == [0, 2, 4]          # the online-probe curve, floor first
     assert all(0 <= r[f"probe/{t}/knn_bal_acc"] <= 1 for r in res["online_probe"] for t in ("diabetic", "study_group"))
     for name in ("result.md", "result.png"):
@@ -71,13 +71,13 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert "## diabetic" in (out / "lesions" / "result.md").read_text()
     probed = run_cli("evals.probe", f"run={res['run']}", "bootstrap=50", *PROBE[1::2])    # as the demo probes its run
     assert probed.returncode == 0, probed.stderr[-3000:]
-    line = run_cli("evals.learning_check", "--line", res["run"])    # the demo's last line, from the probe reports
+    line = run_cli("check.learning_check", "--line", res["run"])    # the demo's last line, from the probe reports
     assert line.returncode == 0 and len(line.stdout.strip().splitlines()) == 1
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
             "--finetune-seeds", "2"]                                  # two training seeds per init (decision 13)
-    again = run_cli("evals.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
+    again = run_cli("check.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
     assert "nothing to do" in again.stdout                       # the run is at max_steps already
@@ -103,7 +103,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    for tag in (learning_check.finetune_tag("random", 0.5, None, 0), learning_check.finetune_tag("random", 0.5, 1, 0)):
+    for tag in (keys.finetune_tag("random", 0.5, None, 0), keys.finetune_tag("random", 0.5, 1, 0)):
         assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
     assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
     runs = res2["finetune"]["runs"]                      # each run's val per epoch: a lent GPU's call returns only $OUT
@@ -111,15 +111,15 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         {(f, i, t) for f in (0.5, 1.0) for i in ("pretrained", "random") for t in (None, 1)}
     rand = next(r for r in runs if (r["fraction"], r["init"], r["train_seed"]) == (0.5, "random", 1))
     m = json.loads((tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" /
-                    learning_check.finetune_tag("random", 0.5, 1, 0) / "diabetic" / "metrics.json").read_text())
+                    keys.finetune_tag("random", 0.5, 1, 0) / "diabetic" / "metrics.json").read_text())
     assert rand["val"] == [round(h["balanced_accuracy"], 4) for h in m["history"]] and rand["epochs_run"] == 1
     assert rand["best_epoch"] == m["probes"][0]["best_epoch"] and rand["head"] == m["probes"][0]["head"]
-    assert learning_check.tuned_line(rand) in (out / "lesions" / "result.md").read_text()
+    assert report.tuned_line(rand) in (out / "lesions" / "result.md").read_text()
     assert "fine-tuning (pretrained init, training seed 1), 50% of labels" in res2["stages"]
     # the from-scratch run at 100% is the reference there: one run for both rows (its features are the reference's)
     assert sum(s.startswith("fine-tuning (random init), 100%") for s in res2["stages"]) == 1
 
-    scanners = run_cli("evals.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
+    scanners = run_cli("check.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
     assert "nothing to do" in scanners.stdout
     sres = json.loads((out / "scanners" / "result.json").read_text())
@@ -152,11 +152,11 @@ def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_n
     from conftest import REPO
     from octfm import config
 
-    for package in {f.split("/")[0] for f in learning_check.keyed_files(learning_check.FINETUNE_CODE)} | {"train"}:
+    for package in {f.split("/")[0] for f in keys.keyed_files(keys.FINETUNE_CODE)} | {"train"}:
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
     cfg = str(REPO / "configs/pretrain_check.yaml")
-    names = lambda: (learning_check.recipe_name(cfg, "c", []), learning_check.finetune_tag("random", 0.1, None))  # noqa: E731
+    names = lambda: (keys.recipe_name(cfg, "c", []), keys.finetune_tag("random", 0.1, None, 0))  # noqa: E731
     before = names()
     with open(tmp_path / "train/plan.py", "a") as f:
         f.write("\n# an edit\n")
@@ -182,9 +182,9 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     copy = tmp_path / "repo"
     shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "data", "runs", "tests", "__pycache__",
                                                               "*.egg-info"))
-    probe = ("import sys; from pathlib import Path; from evals import learning_check as lc; "
+    probe = ("import sys; from pathlib import Path; from check import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
-             "print(lc.finetune_tag('random', 0.1, None)); "
+             "print(lc.finetune_tag('random', 0.1, None, 0)); "
              "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
 
     def run():
@@ -218,14 +218,14 @@ def test_a_fine_tuning_run_is_named_for_the_seed_that_picks_its_participants():
     subset (a re-run with `--probe seed=N` draws other participants); the references are such runs."""
     from pathlib import Path
 
-    a, b = (learning_check.finetune_tag("random", 0.1, None, s) for s in (0, 1))
+    a, b = (keys.finetune_tag("random", 0.1, None, s) for s in (0, 1))
     assert a != b and "_10pct_" in a and Path(a).name == a
-    assert a == learning_check.finetune_tag("random", 0.1, None, 0)
+    assert a == keys.finetune_tag("random", 0.1, None, 0)
 
 
 def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
     """Issue 40, item 8: 'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
-    assert learning_check.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
+    assert check_rows.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
                                         "chosen_on_val": {"prob": "L"}}) == "L"
     def point(fraction, ft, frozen):
         return {"fraction": fraction, "pretrained": {"balanced_accuracy": ft}, "random_init": {"balanced_accuracy": 0.6},
@@ -233,14 +233,14 @@ def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose(
                 "pretrained_minus_random_init": {"difference": ft - 0.6, "difference_ci95": [0.02, 0.18]},
                 "finetuned_minus_frozen": {"difference": ft - frozen, "difference_ci95": [-0.01, 0.1]}}
 
-    verdict = learning_check.finetune_verdict([point(0.1, 0.70, 0.65), point(1.0, 0.8, 0.82)])
+    verdict = verdicts.finetune_verdict([point(0.1, 0.70, 0.65), point(1.0, 0.8, 0.82)])
     first, *lines = verdict.splitlines()
     assert "PASS" in first and "target at 10% of labels" in first
     # issue 64: a reading at 10% and at 100% of labels, each against from scratch and the frozen probe with intervals
     assert lines[0].startswith("- 10% of labels: fine-tuned 0.700, from scratch 0.600, frozen probe (head chosen on val) "
                                "0.650; pretrained - random-init +0.100 [+0.020, +0.180], fine-tuned - frozen +0.050")
     assert lines[1].startswith("- 100% of labels: fine-tuned 0.800") and "fine-tuned - frozen -0.020" in lines[1]
-    assert "FAIL" in learning_check.finetune_verdict([point(0.1, 0.70, 0.75)])  # below the frozen probe
+    assert "FAIL" in verdicts.finetune_verdict([point(0.1, 0.70, 0.75)])  # below the frozen probe
 
 
 def test_fine_tuned_rows_are_means_over_training_seeds():
@@ -249,7 +249,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     gives the single run's numbers."""
     import numpy as np
 
-    from evals import check_probes
+    from check import probes as check_probes
     from evals import probe_metrics as pm
 
     rng = np.random.default_rng(0)
@@ -262,7 +262,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     fs = check_probes.folds(rows, "splits")
     te = fs[0][3]
     ba = lambda p: check_probes.score("diabetic", rows, p, te, 0, 0)["balanced_accuracy"]  # noqa: E731
-    [row] = learning_check.finetune_rows(rows, tuned, frozen, fs, 100, 0)
+    [row] = check_rows.finetune_rows(rows, tuned, frozen, fs, 100, 0)
     assert row["train_seeds"] == 2
     assert row["per_seed"]["pretrained"] == [ba(p) for p in tuned[0.1]["pretrained"]]
     assert row["pretrained"]["balanced_accuracy"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]))
@@ -271,7 +271,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     assert row["finetuned_minus_frozen"]["difference"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]) - ba(frozen[0.1]))
     lo, hi = row["pretrained_minus_random_init"]["difference_ci95"]
     assert lo < row["pretrained_minus_random_init"]["difference"] < hi
-    [one] = learning_check.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
+    [one] = check_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
     a, b = (tuned[0.1][k][0][te] for k in ("pretrained", "random"))     # one seed: the paired bootstrap, by hand
     groups, yt = np.array([r["participant_id"] for r in rows])[te], y[te]
     diffs = [pm.balanced_accuracy(yt[i], a[i].argmax(1), 2) - pm.balanced_accuracy(yt[i], b[i].argmax(1), 2)
@@ -281,7 +281,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     assert d["difference_ci95"] == pytest.approx(pm.ci95(diffs))
     per = np.subtract(row["per_seed"]["pretrained"], row["per_seed"]["random_init"])
     assert f"mean of 2 training seeds (per seed {per[0]:+.3f}, {per[1]:+.3f}; 2 of 2 above 0)" \
-        in learning_check.finetune_verdict([row])
+        in verdicts.finetune_verdict([row])
 
 
 def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
@@ -388,8 +388,8 @@ def test_jobs_at_once_run_on_the_threads_they_are_given():
     import torch
 
     jobs = {"a": (torch.get_num_threads, ()), "b": (torch.get_num_threads, ())}
-    assert learning_check.in_processes(jobs, 2, threads=1) == {"a": 1, "b": 1}
-    assert learning_check.in_processes(jobs, 2, threads=2) == {"a": 2, "b": 2}  # the value given, not always 1
+    assert procs.in_processes(jobs, 2, threads=1) == {"a": 1, "b": 1}
+    assert procs.in_processes(jobs, 2, threads=2) == {"a": 2, "b": 2}  # the value given, not always 1
 
 
 def test_the_size_sets_the_fine_tuning_keys_and_how_many_runs_at_once(monkeypatch):
@@ -429,10 +429,10 @@ def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_re
                 **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
 
     only_25 = {"label_efficiency": {"points": [pt(0.1, False), pt(0.25, True), pt(1.0, False)]}}
-    ok, text = learning_check.label_efficiency_check(only_25)
+    ok, text = verdicts.label_efficiency_check(only_25)
     assert ok and "no supervised reference: the label-efficiency target not read" in text and text.startswith("at 10%")
-    assert learning_check.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, False)]}}) is None
-    assert learning_check.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, True)]}})[0] is False
+    assert verdicts.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, False)]}}) is None
+    assert verdicts.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, True)]}})[0] is False
 
 
 def test_a_reference_fraction_off_the_curve_is_refused_before_any_work(tmp_path):
@@ -465,7 +465,7 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     monkeypatch.setattr(probe, "fit_and_select_all", lambda kind, cfg, f, y, split, k, tr, va:  # one per encoder
                         seen.extend([(cfg.min_steps, int(tr.sum()))] * len(f)) or real(kind, cfg, f, y, split, k, tr, va))
     tuned = {0.1: {"pretrained": [np.full((400, 2), 0.5)], "random": [np.full((400, 2), 0.5)]}}
-    out = learning_check.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
+    out = check_rows.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
     n = sum(r["split"] == "train" for r in rows)
     full = 2 * math.ceil(n / 16)                                        # epochs x the full split's batches
     assert [m for m, k in seen if k < n] == [full] * 4                  # 10%: the frozen probe; 25%: three encoders
@@ -473,14 +473,14 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     # also its curve point (the same folds: fitted once)
     assert [m for m, k in seen if k == n] == [0] * 6
     assert out["label_efficiency"]["head_steps"] == [full]
-    assert "as many optimizer steps as all labels'" in learning_check.head_steps(out["label_efficiency"])
+    assert "as many optimizer steps as all labels'" in report.head_steps(out["label_efficiency"])
     seen.clear()
-    only_all = learning_check.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
+    only_all = check_rows.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
     assert "head_steps" not in only_all["label_efficiency"] and all(m == 0 for m, _ in seen)
 
 
 # what each kept result runs: the entry files that make it (its key must hold every file they import)
-MADE_BY = {"COHORT_CODE": ("ingest/synth.py",),                  # learning_check.cohort
+MADE_BY = {"COHORT_CODE": ("ingest/synth.py",),                  # cohort.cohort
            "PRETRAIN_CODE": ("train/pretrain.py", "cache/build.py"),   # the run reads the cache, named by its path
            "FINETUNE_CODE": ("evals/finetune.py",)}
 
@@ -520,8 +520,8 @@ def test_every_file_a_kept_results_code_imports_keys_it():
     out = subprocess.run([sys.executable, "-c", code, *entries], cwd=REPO, capture_output=True, text=True, check=True)
     loaded = dict(json.loads(line) for line in out.stdout.splitlines())
     assert set(loaded) == set(entries) and all(entry in files for entry, files in loaded.items())
-    missing = {key: sorted({f for e in made_by for f in loaded[e]} - set(learning_check.NOT_KEYED) -
-                           set(learning_check.keyed_files(getattr(learning_check, key))))
+    missing = {key: sorted({f for e in made_by for f in loaded[e]} - set(keys.NOT_KEYED) -
+                           set(keys.keyed_files(getattr(keys, key))))
                for key, made_by in MADE_BY.items()}
     assert missing == {key: [] for key in MADE_BY}
 
@@ -578,6 +578,6 @@ def test_a_failure_among_jobs_at_once_is_raised_at_once_and_ends_the_others(tmp_
         expected = KeyboardInterrupt
     t0 = time.perf_counter()
     with pytest.raises(expected):
-        learning_check.in_processes(jobs, 2, ended)
+        procs.in_processes(jobs, 2, ended)
     assert time.perf_counter() - t0 < 30
     assert _gone(int(pid.read_text()))

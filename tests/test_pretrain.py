@@ -469,7 +469,7 @@ def test_loader_workers_start_together_not_one_after_another(tiny_cache):
     assert w["workers_last_ready_at"] - w["workers_first_ready_at"] < 0.5, w
 
 
-@pytest.mark.parametrize("main, preloaded", [("evals.learning_check", True), ("train.pretrain", True),
+@pytest.mark.parametrize("main, preloaded", [("check.learning_check", True), ("train.pretrain", True),
                                               ("pytest.__main__", False), ("somepkg.cli", False), (None, False)])
 def test_the_process_server_preloads_what_our_main_module_imported(monkeypatch, main, preloaded):
     """For a running `python -m` module of ours the server preloads our modules imported so far
@@ -477,7 +477,7 @@ def test_the_process_server_preloads_what_our_main_module_imported(monkeypatch, 
     for a foreign one only the heavy modules (`pytest.__main__`'s imports are not ours)."""
     import types
 
-    from evals import learning_check  # noqa: F401  (in sys.modules by its name, as a test's import puts it)
+    from check import learning_check  # noqa: F401  (in sys.modules by its name, as a test's import puts it)
     from octfm import procs
 
     fake = types.ModuleType("__main__")

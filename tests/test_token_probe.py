@@ -1,11 +1,11 @@
-"""The token-level lesion probe (evals/token_probe.py): lesions land on the tokens that hold them,
+"""The token-level lesion probe (check/token_probe.py): lesions land on the tokens that hold them,
 and the within-position AUROC is the pooled pair count it claims to be, bootstrap weights included."""
 import numpy as np
 import pandas as pd
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from evals import token_probe as tp
+from check import token_probe as tp
 
 
 def _lesion(y, x, z, ry=0.02, rx=0.01, rz=0.005):

@@ -1,4 +1,4 @@
-"""`python -m evals.finetune_seeds run|score`: fine-tuning rows over several seeds, paired afterwards.
+"""`python -m check.finetune_seeds run|score`: fine-tuning rows over several seeds, paired afterwards.
 
 A single fine-tuning run moves by a few points of balanced accuracy from one seed to the next, so
 a difference read from one run per init is mostly noise (issue 41, item 4).
@@ -160,7 +160,7 @@ def report(res: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.finetune_seeds", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m check.finetune_seeds", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="fine-tune from the checkpoint and from random init, once per seed")

@@ -251,7 +251,7 @@ def line(r: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.token_probe", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m check.token_probe", description=__doc__)
     ap.add_argument("--run", required=True, help="a pretraining run folder (its newest whole checkpoint)")
     ap.add_argument("--source", required=True, help="the generated cohort's root (holds lesions.tsv)")
     ap.add_argument("--cache", default=None, help="default: the cache the run trained on")

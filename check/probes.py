@@ -1,4 +1,4 @@
-"""The learning check's probes (evals/learning_check.py), on features extracted once per encoder.
+"""The learning check's probes (check/learning_check.py), on features extracted once per encoder.
 
 Every head kind of the probe config is fit on a fold's train rows with its hyperparameters chosen
 on the val rows; the fold's head kind is chosen on val by the one-standard-error rule (decision 8,
@@ -12,7 +12,6 @@ with a paired participant bootstrap, so what the test rows share cancels out.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -43,12 +42,6 @@ def narrowed(fs: list, rows: list[dict], participants: set[str]) -> list:
     return [(name, tr & keep, va, te) for name, tr, va, te in fs]
 
 
-def fraction_steps(cfg: ProbeConfig, full_train: np.ndarray) -> int:
-    """The optimizer steps a label fraction's heads train on a fold: those `epochs` take on the
-    fold's full train rows, or `min_steps` where more (decision 32, docs/learning-check.md)."""
-    return max(cfg.min_steps, cfg.epochs * math.ceil(int(full_train.sum()) / cfg.batch_size))
-
-
 def task_arrays(task: str, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Class index, split and participant of each row, and the number of classes."""
     spec = TASKS[task]
@@ -61,7 +54,7 @@ def fit_encoder(cfg: ProbeConfig, feats: dict, task: str, rows: list[dict], fs: 
     test row from the fold that tests it), "val": mean over folds of the val balanced accuracy,
     "heads": the head of each fold; for CHOSEN also "val_best": each fold's head with the best val score}}.
     `full`: for folds narrowed to a label fraction, the folds they were narrowed from: each fold's
-    heads then train at least the steps of its own full train split (fraction_steps)."""
+    heads then train at least the steps of its own full train split (probe.fraction_steps)."""
     return fit_encoders(cfg, [feats], task, rows, fs, full)[0]
 
 
@@ -83,7 +76,7 @@ def fit_encoders(cfg: ProbeConfig, feats: list[dict], task: str, rows: list[dict
         if pair:
             out[SAME_KIND]["pair_val"] = []
     for i, (_, tr, va, te) in enumerate(fs):
-        fcfg = cfg if full is None else dataclasses.replace(cfg, min_steps=fraction_steps(cfg, full[i][1]))
+        fcfg = cfg if full is None else dataclasses.replace(cfg, min_steps=probe.fraction_steps(cfg, full[i][1]))
         fitted = [{} for _ in feats]
         for kind in cfg.heads:
             for e, (chosen, prob) in enumerate(probe.fit_and_select_all(kind, fcfg, feats, y, split, k, tr, va)):

@@ -1,4 +1,4 @@
-"""`python -m evals.cohort_screen`: is a labelled cache's class cue local, and learnable by the
+"""`python -m check.cohort_screen`: is a labelled cache's class cue local, and learnable by the
 recipe's encoder? Label-aware measurements only, so a cohort can be qualified for the learning
 check before any pretraining runs on it (docs/learning-check.md, decisions 2, 3 and 7).
 
@@ -35,7 +35,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from cache import store
-from evals import finetune, probe
+from evals import backbone, finetune, probe
 from evals.config import FinetuneConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio
@@ -130,7 +130,7 @@ class Planted(finetune.Labelled):
         return item
 
 
-def reference(cfg: TrainConfig, out: Path, steps: int, plant: int, progress: bool) -> finetune.Finetuner:
+def train_reference(cfg: TrainConfig, out: Path, steps: int, plant: int, progress: bool) -> finetune.Finetuner:
     """The config's encoder from scratch, trained `steps` optimizer steps on every labelled train row
     (with `plant`, positive crops carry the cube), scored on val once, at the end, so the state kept
     is the last one."""
@@ -143,7 +143,7 @@ def reference(cfg: TrainConfig, out: Path, steps: int, plant: int, progress: boo
     enc = Encoder(cfg.model, cfg.data.input_shape)
     ident = {"init": "random", "seed": ft_cfg.seed, "config": config.to_dict(cfg.model)}
     wrap = functools.partial(Planted, amp=plant) if plant else None
-    ft = finetune.Finetuner(ft_cfg, rt, backbone=finetune.Backbone(enc, cfg, ident), dataset=wrap)
+    ft = finetune.Finetuner(ft_cfg, rt, backbone=backbone.Backbone(enc, cfg, ident), dataset=wrap)
     ft.run(progress=progress)
     return ft
 
@@ -177,7 +177,7 @@ def screen(cache: str, out: Path, config_path: str, overrides: Sequence[str], st
         res["statistics_s"] = round(time.perf_counter() - t0, 1)
     steps = steps or cfg.max_steps
     t0 = time.perf_counter()
-    ft = reference(cfg, out, steps, plant, progress)
+    ft = train_reference(cfg, out, steps, plant, progress)
     res["supervised"] = {"steps": steps, "wall_s": round(time.perf_counter() - t0, 1), **own_head_scores(ft, plant=plant)}
     res["verdict"] = verdict(res)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ def verdict(res: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.cohort_screen", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m check.cohort_screen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", required=True, help="a labelled cache (the counter was tuned on 32 x 128 x 128)")
     ap.add_argument("--out", required=True, help="where the supervised checkpoint and screen.json go")

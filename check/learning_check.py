@@ -1,0 +1,344 @@
+"""`make learning-check [CUE=lesions|layers|scanners]`: does `make pretrain` learn something a random encoder lacks?
+
+On a cohort where the answer is known (a cohort `ingest.synth` generates, whose class lives in
+one kind of local cue: macular lesions, or the thickness of one retinal layer in a macular
+patch; `SOURCE=` takes any AI-READI-shaped root whose participants.tsv carries labels), this
+builds the cache, pretrains the recipe (configs/pretrain_check.yaml, the production recipe at
+check size; `ARGS` overrides its keys), and probes the final checkpoint, a random-init encoder
+of the same architecture, the majority class and a supervised reference (`make finetune` from
+random init: the same architecture trained on the labels) with the same heads on the same
+participants. It reports test balanced accuracy pretrained minus random-init with a
+paired bootstrap interval over participants for both tasks, label-efficiency curves (probes on
+10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
+same subsets), for `CUE=scanners` every scanner held out in turn and, with `--finetune`
+(FINETUNE=1), `make finetune` from the checkpoint and from random init on 10% and 100% of the
+labels against the frozen probe (the head val chose). Every stage is
+resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
+result.png (and, as soon as the features exist, result_interim.json and .md with the headline rows,
+for a run cut short); docs/learning-check.md keeps the decisions behind it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from check import token_probe
+from check.cohort import BINARY, COHORT, CUES, DEV_SEED, build_cache, cohort, eval_device
+from check.keys import finetune_tag, recipe_name
+from check.report import markdown, plot, probe_line, write_result
+from check.rows import (
+    curve_fits, headline_probes, online_curve, probe_all, reference_training, supervised_features,
+    training_summary)
+from check.verdicts import finetune_against_supervised, finetune_verdict, pct, verdict
+from evals import finetune, probe
+from evals.config import ProbeConfig
+from ingest import synth
+from octfm import cli, config
+from octfm.procs import call_job, cpu_seconds, in_processes
+from train import checkpoint, pretrain, runtime
+from train.config import TrainConfig
+from train.model import objective
+from train.run_folder import RunFolder
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One size of the check (make learning-check SIZE=...): the production recipe at that size
+    (one cohort and cache for all), the fine-tuning recipe's size keys (configs/finetune.yaml is
+    the one recipe for both starts and for the references, which are its from-scratch runs; a GPU's
+    batch of 128 needs a step budget and val scores by steps, as decision 17 set for the references
+    then), and how many random-init encoders its random-init rows average (decision 44)."""
+    config: str
+    finetune_args: tuple[str, ...] = ()
+    # the references, fine-tuning runs and headline tasks at once, each in its own process (Stages.together), on
+    # this many torch threads each (0: torch's default, the machine's cores); None: one after another
+    together: int | None = None
+    random_draws: int = 3   # random-init encoders whose mean each random-init row reads (decision 44)
+
+
+# the CPU size at once too (decision 47): three single-thread processes run 1.5x the steps per second of one
+# process on both cores (this model's kernels are too small to use two threads well; docs/measurements.md)
+SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=1),
+         "gpu": Size("configs/pretrain_check_gpu.yaml",
+                     ("batch_size=128", "epochs=100000", "max_steps=3700", "val_every=50", "patience=4", "workers=null"),
+                     together=0, random_draws=5)}
+# Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
+TOGETHER_MAX = 4
+FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
+FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
+FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
+# the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
+TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
+                "one's included; only the probes hold it out")
+
+
+class Stages:
+    """Wall and CPU seconds (this process and its children) per stage, for the summary."""
+
+    def __init__(self):
+        self.times: dict[str, dict] = {}
+
+    def run(self, name: str, fn):
+        print(f"learning-check: {name} ...", flush=True)
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        out = fn()
+        self.times[name] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(cpu_seconds() - c0, 1)}
+        print(f"learning-check: {name} done in {self.times[name]['wall_s']}s (cpu {self.times[name]['cpu_s']}s)",
+              flush=True)
+        return out
+
+    def together(self, group: str, jobs: dict[str, tuple], threads: int) -> dict:
+        """Each named job, (a module-level function, its arguments), in its own process, all at
+        once: at GPU size the supervised references, the fine-tuning runs and the curve's probe
+        heads each leave the GPU mostly idle by their step rates (a host-bound step of batch 128,
+        a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
+        at once, started in the order given, on `threads` torch threads each (Size.together: one at
+        CPU size, 0 at GPU size for torch's default). Each job's wall and CPU seconds are its own
+        process's; `group`'s wall is the jobs' together."""
+        print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
+        t0 = time.perf_counter()
+
+        def ended(name: str, wall: float, cpu: float) -> None:
+            self.times[name] = {"wall_s": wall, "cpu_s": cpu, "together": group}
+            print(f"learning-check: {name} done in {wall}s (cpu {cpu}s, its own process)", flush=True)
+
+        out = in_processes(jobs, TOGETHER_MAX, ended, threads)
+        self.times[group] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": None}
+        print(f"learning-check: {group} done in {self.times[group]['wall_s']}s", flush=True)
+        return out
+
+
+def pretrain_run(config_path: str, cache: str, out: Path, overrides: Sequence[str]) -> Path:
+    name = recipe_name(config_path, cache, overrides)
+    args = ["--config", config_path, f"data.cache={cache}", f"runs_dir={out}", f"name={name}", *overrides]
+    pretrain.main(args)  # raises on failure; resumes the run's newest checkpoint, or has nothing to do
+    return out / name
+
+
+class Tuned(NamedTuple):
+    prob: np.ndarray   # the best epoch's class probabilities for the check's rows
+    run: dict          # best epoch, epochs run and val balanced accuracy per epoch (result.json's finetune.runs)
+    ckpt: str          # the best epoch's checkpoint (a reference's frozen features read its encoder)
+
+
+def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
+              n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
+              progress: bool = True) -> Tuned:
+    """`make finetune` (configs/finetune.yaml as users run it; on the cpu in fp32, on cuda in bf16) of the check's
+    checkpoint or, with init=random, of the same architecture from scratch, on the label
+    fraction's participants (the probes' subsets: the same seed; on all labels a shorter budget,
+    FULL_LABEL_BUDGET, which `args` can override); resumable. `train_seed` (None: the seed) varies the
+    training alone on the same participants. Returns its best epoch's class probabilities for `rows`
+    and its val curve (a lent GPU's call brings back only what the result holds)."""
+    tag = finetune_tag(init, fraction, train_seed, seed)
+    cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
+                              *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
+                              *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
+    ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
+    if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
+        raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
+    res = ft.run(progress=progress)
+    top = res["probes"][0]
+    return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed, "head": top["head"],
+                               "head_fit": top.get("head_fit"), "best_epoch": top["best_epoch"],
+                               "best_step": top.get("best_step"), "epochs_run": res["epochs_run"],
+                               "steps_run": ft.step, "val_every": cfg.val_every, "patience": cfg.patience,
+                               "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]},
+                 res["best_checkpoint"])
+
+
+def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
+          cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
+          probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
+          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
+          reference_fractions: Sequence[float] | None = None, together: int | None = None,
+          random_draws: int = 1) -> dict:
+    """The whole check for one cue; every stage reuses what an earlier run finished.
+    `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
+    the size's, from main). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
+    run, the references' included (the size's, then the command line's).
+    `reference_fractions`: the label fractions that get a supervised reference (None: every one
+    of the curve's; the curve keeps its frozen rows at the others). A reference is `make finetune`
+    from random init at its fraction: the very run the fine-tuning rows set the checkpoint against.
+    `together` (not None): the references and fine-tuning runs each in its own process at once
+    (Stages.together), and the headline's two tasks, on that many torch threads each (0: torch's
+    default); None: one after another (Size.together)."""
+    spec = CUES[cue]
+    stages, generated = Stages(), source is None
+    device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
+    if reference_fractions is not None and not set(reference_fractions) <= set(fractions):
+        raise cli.UsageError(f"--reference-fraction {sorted(set(reference_fractions) - set(fractions))}: not on the "
+                             f"label-efficiency curve ({', '.join(map(str, fractions))})")
+    if source is None:
+        home = work / f"{spec.cohort_name}_seed{seed}"
+        cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
+        source = stages.run("cohort", lambda: cohort(home / "source", cfg))
+        cache_dir = home / "cache"
+    else:
+        cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
+    pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
+                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
+                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}", *probe_args])
+    cache = stages.run("cache", lambda: build_cache(source, cache_dir))
+    run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
+    ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
+    probe_dir = RunFolder(run_dir).probe
+    reads_tokens = spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists()  # the token probe runs
+    grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
+    f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
+    about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+             "source": source, "cohort_seed": seed if generated else None,
+             "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
+             "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
+             "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
+             "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
+             "random_init_seeds": probe.draw_seeds(pcfg)}
+    dest = out / cue
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
+    splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
+    ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
+        if with_supervised and splits else []
+    tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
+                 for k in range(finetune_seeds)] if splits else []
+    # a reference is the from-scratch run at its fraction (training seed k=0): one run where both want it
+    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
+    # at once, the curve's own heads join them: they need no reference (curve_fits)
+    at_once = together is not None and len(run_keys) > 0
+    # each job: a module-level function and its arguments, so that it can run in its own process
+    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
+                              f"{pct(frac)} of labels",
+                              (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
+                                           pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
+                                           not at_once)))
+            for frac, init, k in run_keys}
+    jobs = dict(runs.values())
+    if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
+        mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
+        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], fractions)), **jobs}
+    done = stages.together("references and fine-tuning", jobs, together) if at_once else \
+        {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
+    sup, sup_training, tuned = {}, {}, {}
+    if ref_fracs:
+        refs = {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs}
+        read = stages.run("supervised features", lambda: supervised_features(
+            pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
+        for frac, feats_f in read.items():
+            sup[frac], sup_training[pct(frac)] = feats_f, reference_training(refs[frac].run)
+    for frac, init, k in tune_keys:
+        tuned.setdefault(frac, {}).setdefault(init, []).append(done[runs[(frac, init, k)][0]].prob)
+    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
+                                                    tuned, head, done.get(CURVE_JOB)))
+    result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
+              "supervised_training": sup_training, "finetune_args": list(finetune_args),
+              "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
+    if spec.protocol == "scanners":
+        result["pretraining"] = TRANSDUCTIVE
+    result["verdict"] = verdict(result)
+    if "finetune" in result:
+        result["finetune"]["runs"] = [done[runs[key][0]].run for key in tune_keys]
+        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
+        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
+    if reads_tokens:  # a generated cohort's answer key
+        # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them (stop 50's was)
+        write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
+        tokens = stages.run("token probe", lambda: token_probe.run(
+            ckpt, source, probe_dir / "tokens", cache, pcfg.seed, device=device, batch=pcfg.extract_batch,
+            features_dir=probe_dir / "features", precision=f["precision"]))
+        result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
+    write_result(result, dest, "result")
+    plot(result, dest / "result.png")
+    return result
+
+
+CURVE_JOB = "label-efficiency heads, pretrained and random init"
+BEFORE_TOKENS = "INTERIM, every row but the token probe's"
+INTERIM = ("INTERIM, before the supervised references, label efficiency, fine-tuning and token probe "
+           "(result.json has them when the check ends)")
+
+
+def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, together: int | None = None) -> dict:
+    """The headline rows as soon as the features exist, in result_interim.json and .md, and
+    their verdict printed: a run cut short (a lent GPU's minutes) keeps the check's main number.
+    Returns headline_probes' result, which the final probes reuse."""
+    head = headline_probes(pcfg, f["rows"], f["feats"], about["protocol"], n_boot, together)
+    res = {**about, "interim": INTERIM, "tasks": head["tasks"]}
+    res["verdict"] = f"{INTERIM}: {verdict(res)}"
+    write_result(res, dest, "result_interim")
+    print(res["verdict"], flush=True)
+    return head
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make learning-check", description=__doc__)
+    ap.add_argument("--source", default=None, help="AI-READI-shaped dataset root with labels (default: the cohort)")
+    ap.add_argument("--work", default="data/learning_check", help="where the cohort and its cache go")
+    ap.add_argument("--out", default="runs/learning_check")
+    ap.add_argument("--size", choices=list(SIZES), default="cpu",
+                    help="the check's size (make SIZE=...): cpu, or gpu for one H100/H200 (configs/pretrain_check_gpu.yaml)")
+    ap.add_argument("--config", default=None, help="the pretraining config (default: the size's)")
+    ap.add_argument("--cue", choices=list(CUES), default="lesions", help="the kind of class cue (make CUE=...)")
+    ap.add_argument("--seed", type=int, default=DEV_SEED,
+                    help=f"the generated cohort's seed (default {DEV_SEED}, the development cohorts')")
+    ap.add_argument("--participants", type=int, default=COHORT.participants, help="cohort size")
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
+    ap.add_argument("--no-supervised", action="store_true",
+                    help="skip the supervised references (make finetune from random init at the curve's fractions)")
+    ap.add_argument("--reference-fraction", action="append", type=float, default=None, choices=FRACTIONS,
+                    help="train the supervised reference at this label fraction only (repeatable; default every "
+                         "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="train the supervised references and fine-tuning runs one after another (both sizes "
+                         "run them at once, each in its own process; the CPU size on one thread each)")
+    ap.add_argument("--finetune", action="store_true",
+                    help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
+                         f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
+    ap.add_argument("--finetune-fraction", action="append", type=float, default=None,
+                    help=f"with --finetune, fine-tune on this label fraction only (repeatable; default "
+                         f"{' and '.join(str(f) for f in FINETUNE_FRACTIONS)})")
+    ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
+    ap.add_argument("--finetune-seeds", type=int, default=1,
+                    help="with --finetune, training seeds per init on the same participants; rows are their mean "
+                         "(make FT_SEEDS=...)")
+    ap.add_argument("--random-draws", type=int, default=None,
+                    help="random-init encoders whose mean each random-init row reads (default: the size's, "
+                         + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")
+    ap.add_argument("--line", metavar="RUN", default=None,
+                    help="only print the one-line comparison from RUN/probe (no work)")
+    ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
+    a = ap.parse_args(argv)
+    if a.line:
+        print(probe_line(RunFolder(a.line).probe))
+        return 0
+    if a.random_draws is not None and a.random_draws < 1:
+        raise cli.UsageError(f"--random-draws: {a.random_draws}; needs at least 1")
+    if a.finetune_seeds < 1:
+        raise cli.UsageError(f"--finetune-seeds (FT_SEEDS): {a.finetune_seeds}; needs at least 1")
+    t0 = time.perf_counter()
+    size = SIZES[a.size]
+    r = check(a.source, Path(a.work), Path(a.out), a.config or size.config, a.overrides, a.cue, a.seed, a.participants,
+              a.bootstrap, a.probe, with_supervised=not a.no_supervised,
+              finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
+              finetune_args=[*(size.finetune_args if a.config is None else ()), *a.finetune_arg],
+              finetune_seeds=a.finetune_seeds,
+              reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
+              random_draws=a.random_draws or size.random_draws)
+    print(markdown(r))
+    print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
+          f"{time.perf_counter() - t0:.0f}s")
+    print(r["verdict"])
+    if "finetune" in r:
+        if r["finetune"].get("against_supervised"):
+            print(r["finetune"]["against_supervised"])
+        print(r["finetune"]["verdict"])
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
