@@ -4,6 +4,13 @@ from __future__ import annotations
 import octfm  # noqa: F401  (sets gcsfs environment before gcsfs is imported)
 
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per xdist worker (and so in the stages it starts), set before torch loads:
+    # two workers each spinning an OpenMP pool as wide as the machine contend for its cores. On the
+    # 2-core machine this took the in-process trainer and probe tests from 166 s to 94 s of wall time
+    # (docs/testing.md).
+    os.environ["OMP_NUM_THREADS"] = "1"
 import socket
 import subprocess
 import sys

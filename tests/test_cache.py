@@ -192,6 +192,7 @@ def test_changed_parameters_redo_volumes(synth_tree, tmp_path):
     assert all(list(s) == [8, 32, 32] for s in df[df.status == "ok"]["shape"])
 
 
+@pytest.mark.slow  # hundreds of rows through the pool, about 12 s: the heavy lane
 def test_build_with_many_more_rows_than_workers_finishes(tmp_path):
     """Regression: with max_tasks_per_child the 3.11 pool hung once workers were replaced
     (seen at 128 tasks on 2 workers)."""

@@ -111,6 +111,7 @@ def _held_out_lookup_score(keys: list, labels: list, groups: list, folds: int = 
     return float(balanced_accuracy_score(np.array(labels), np.array(pred)))
 
 
+@pytest.mark.slow  # a cohort and a classifier per table column, about 16 s: the heavy lane
 def test_no_table_column_but_the_label_predicts_it(tmp_path):
     """No column of the generated participants.tsv or manifest.tsv predicts study_group above
     chance (4 classes: 0.25), neither by its value nor, for whole numbers, by its value modulo 2-8

@@ -295,6 +295,7 @@ FT = ["--finetune", "--finetune-fraction", "0.1", "--finetune-arg", "epochs=1", 
       "--finetune-arg", "workers=0"]
 
 
+@pytest.mark.slow  # every GPU-size stage at tiny sizes, about 21 s: the heavy lane, beside make device-check's dry run
 def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
     shrunk and the device set to the CPU, the volumes resident as on the GPU

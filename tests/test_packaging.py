@@ -40,3 +40,17 @@ def test_the_tpu_extra_pins_a_torch_the_base_dependencies_accept():
     assert torch_pin == xla_pin, "torch_xla needs exactly the torch of its own version (its wheel does not say so)"
     assert base["torch"].specifier.contains(torch_pin), (torch_pin, str(base["torch"].specifier))
     assert "tpu" in tpu["torch_xla"].extras
+
+
+def test_an_xdist_worker_runs_torch_on_one_thread():
+    """conftest.py sets OMP_NUM_THREADS=1 in each xdist worker before torch loads; a torch imported
+    earlier (a plugin, a new import at conftest's top) would keep the machine-wide pool, and two such
+    workers contend for the cores (docs/testing.md)."""
+    import os
+
+    import pytest
+    import torch
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("not under pytest-xdist (make test runs it there)")
+    assert torch.get_num_threads() == 1

@@ -226,6 +226,7 @@ def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
         assert la[s]["loss"] == pytest.approx(lb[s]["loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # two torchrun ranks, about 19 s: the heavy lane, beside the other torchrun tests
 def test_ddp_spike_on_one_rank_is_skipped_by_both(tiny_cache, tmp_path):
     """A loss spike on rank 1 only: both ranks skip that update exactly and stay identical
     (weights, EMA target, optimizer moments and step counts) at every step."""

@@ -14,6 +14,7 @@ from ome_zarr_models.v05.image import Image
 from cache import store
 
 
+@pytest.mark.slow  # the whole B2 -> GCS -> cache chain, about 32 s: the heavy lane; make test keeps the local mirror and gs:// reads
 def test_mirror_s3_to_gcs_then_cache_from_gs(synth_tree, s3_server, gcs_emulator, tmp_path, no_ca_bundle):
     n = upload_tree(s3_server, "aireadi", synth_tree)
     fs = gcs_bucket("mirror-bucket")

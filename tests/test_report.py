@@ -69,6 +69,7 @@ def data_uri_pngs(html: str) -> list[Image.Image]:
     return [Image.open(io.BytesIO(base64.b64decode(s.split(",", 1)[1]))) for s in srcs]
 
 
+@pytest.mark.slow  # headless chromium, about 14 s: the heavy lane; make test keeps the report's own checks
 def test_report_renders_in_chromium_and_every_image_loads(qc_cache, tiny_run, tmp_path):
     out = tmp_path / "report.html"
     r = run_cli("report", "--cache", str(qc_cache), "--run", str(tiny_run), "--out", str(out), "--no-progress")
