@@ -106,7 +106,7 @@ demo: $(STAMP)
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 	@$(PY) -m check.learning_check --line runs/pretrain_smoke
 
-test: $(STAMP) test-deps
+test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/xla -m "not slow" -n 2 --dist worksteal --durations=15
 
 # The heavy lane (tests marked slow): kill -9 of builds, workers and training, store outages, a full disk, gs:// checkpoints, thousands of volumes. CI runs it.
@@ -116,7 +116,7 @@ test-heavy: $(STAMP) test-deps
 # Debian's chromium renders `make report` pages in the tests (headless); installed when missing (root).
 test-deps:
 	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" != 0 ]; then echo "make test: chromium is missing; as root: apt-get install -y chromium" >&2; exit 1; fi; \
+	  if [ "$$(id -u)" != 0 ]; then echo "make test-heavy: chromium is missing; as root: apt-get install -y chromium" >&2; exit 1; fi; \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get -y -q install chromium || { apt-get -q update && apt-get -y -q install chromium; }; }
 

@@ -87,7 +87,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["tasks"] == res["tasks"] and res2["label_efficiency"] == res["label_efficiency"]
     tuned = res2["finetune"]["points"]                                   # fine-tuned from the checkpoint and from random
     assert [p["fraction"] for p in tuned] == [0.5, 1.0]
-    assert again.stdout.strip().splitlines()[-1] == res2["finetune"]["verdict"]
+    verdict_lines = res2["finetune"]["verdict"].splitlines()       # the target, then one reading per fraction
+    assert len(verdict_lines) == 1 + len(tuned)
+    assert again.stdout.strip().splitlines()[-len(verdict_lines):] == verdict_lines
     chosen = res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["pretrained"]
     assert tuned[-1]["frozen"]["balanced_accuracy"] == chosen       # the frozen probe (val's head) it is set against
     for p in tuned:
