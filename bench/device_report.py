@@ -11,6 +11,7 @@ CHECK = "configs/pretrain_check_gpu.yaml"  # the learning check at GPU size (mak
 MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET, CHECK_STEP_TARGET_S, PLAN_TOLERANCE = 0.40, 1.5, 0.05, 0.060, 0.10
 CHECK_TARGET_S = 360  # issue 41: the GPU-size learning check from a bare machine
 
+
 def _measured(section: dict) -> dict:
     return {k: v for k, v in (section or {}).items() if isinstance(v, dict) and "step_s" in v}
 
