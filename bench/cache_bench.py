@@ -369,7 +369,7 @@ def run(workdir: Path, quick: bool = False):
     for device in synth.DEVICES:
         shape = synth.scaled_shape(device, 4) if quick else synth.DEVICES[device].shape
         sources[device] = workdir / f"{device}.dcm"
-        vol = write_device(sources[device], device, shape)
+        write_device(sources[device], device, shape)
         devices[device] = _child("worker", {"src": str(sources[device]), "cache": str(workdir / f"cache_{device}"),
                                             "device": device, "target": list(target), "repeat": 3})
         devices[device]["native_shape"] = list(shape)
@@ -377,7 +377,7 @@ def run(workdir: Path, quick: bool = False):
     j2k_device = next(d for d, s in synth.DEVICES.items() if s.compress)
     j2k_path = workdir / f"{j2k_device}_j2k.dcm"
     spec = synth.DEVICES[j2k_device]
-    vol = write_device(j2k_path, j2k_device, devices[j2k_device]["native_shape"], compress=spec.compress)
+    write_device(j2k_path, j2k_device, devices[j2k_device]["native_shape"], compress=spec.compress)
     devices[j2k_device + " (JPEG 2000)"] = {
         **_child("worker", {"src": str(j2k_path), "cache": str(workdir / "cache_j2k"), "device": j2k_device,
                             "target": list(target), "repeat": 1}),

@@ -53,7 +53,7 @@ def run(workdir: Path, quick: bool = False):
     same = gap < 1e-4
     lines = [f"## Probe fits: {ENCODERS} encoders' heads as one stack vs one encoder at a time (CPU, {rows} rows, "
              f"{TOKENS} tokens x {DIM}, {cfg.epochs} epochs, linear + attentive grids)", "",
-             f"| way | wall s, per round |", "|---|---|", f"| one stack | {res['stack_s']} |",
+             "| way | wall s, per round |", "|---|---|", f"| one stack | {res['stack_s']} |",
              f"| one encoder at a time | {res['each_s']} |", "",
              f"Verdict: {'met' if ratio > 1.2 and same else 'NOT MET'}: the stack {ratio:.2f}x as fast (median of "
              f"{rounds} alternating rounds; the bar: faster by a fifth), each encoder's test probabilities within "

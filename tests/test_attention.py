@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from train import attention, model
 from train.config import ModelConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
-from conftest import run_cli, tiny_train_args, train_here
+from conftest import tiny_train_args, train_here
 from evals import probe
 from evals import probe_metrics as pm
 from octfm import config

@@ -70,7 +70,7 @@ def test_production_code_paths_compile_the_step_once(tiny_cache, tmp_path):
     loader workers, validation), scaled down in width, depth and crop only: the step's graph is
     compiled at step 1 and never again (the guard's running mean written in place made step 2
     trace another graph: docs/accelerators.md); validation compiles its own graph once; nothing after."""
-    args = [f"name=prod", f"runs_dir={tmp_path / 'runs'}", f"data.cache={tiny_cache}", "data.input_shape=[16,64,64]",
+    args = ["name=prod", f"runs_dir={tmp_path / 'runs'}", f"data.cache={tiny_cache}", "data.input_shape=[16,64,64]",
             "data.workers=2", "batch_size=4", "max_steps=8", "log_every=1", "val_every=3", "val_batches=1",
             "ckpt_every=4", "model.dim=32", "model.depth=2", "model.heads=2", "model.pred_dim=16", "model.pred_depth=1",
             "model.pred_heads=2", "optim.warmup_steps=2", "wandb.enabled=false", "precision=bf16", "device=xla"]
