@@ -37,14 +37,17 @@ def run_name(init: str, seed: int) -> str:
 
 
 def run_seeds(ckpt: str, cache: str, out: Path, fraction: float, seeds: Sequence[int], task: str = "diabetic",
-              args: Sequence[str] = (), device: str = "cpu") -> list[Path]:
-    """Fine-tune from the checkpoint and from random init for each seed; returns the npz files."""
+              args: Sequence[str] = (), device: str = "cpu", inits: Sequence[str] = INITS) -> list[Path]:
+    """Fine-tune from the checkpoint and from random init for each seed; returns the npz files.
+    `inits`: one of them alone, so that two processes can run a pair side by side on one folder."""
+    if not inits or set(inits) - set(INITS):
+        raise cli.UsageError(f"--inits {' '.join(inits)}: each one of {', '.join(INITS)}")
     from evals import finetune  # the training stack only where runs are made (score needs none of it)
     from train import runtime
 
     done = []
     for seed in seeds:
-        for init in INITS:
+        for init in inits:
             path = out / f"{run_name(init, seed)}.npz"
             if not path.exists():
                 cfg = finetune.run_config(ckpt, cache, out / run_name(init, seed), init, fraction, seed, task, device, *args)
@@ -171,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     r.add_argument("--task", default="diabetic")
     r.add_argument("--device", default="cpu")
+    r.add_argument("--inits", nargs="+", default=list(INITS), help="pretrained, random or both (the default)")
     r.add_argument("overrides", nargs="*", help="configs/finetune.yaml keys, key=value")
     s = sub.add_parser("score", help="pair the runs of one or two folders on the test participants")
     s.add_argument("--cache", required=True)
@@ -179,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("folders", nargs="+", help="NAME=FOLDER (one, or two: the change is the second minus the first)")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        run_seeds(a.ckpt, a.cache, a.out, a.fraction, a.seeds, a.task, a.overrides, a.device)
+        run_seeds(a.ckpt, a.cache, a.out, a.fraction, a.seeds, a.task, a.overrides, a.device, a.inits)
         return 0
     if len(a.folders) > 2 or any("=" not in f for f in a.folders):
         raise cli.UsageError("folders: give one or two NAME=FOLDER")

@@ -81,3 +81,11 @@ def test_a_mean_over_seeds_is_one_contrast_on_each_resample():
     assert mean["difference"] == pytest.approx((ba[0] + ba[1] - ba[2] - ba[3]) / 2)
     width = mean["difference_ci95"][1] - mean["difference_ci95"][0]
     assert width <= max(d["difference_ci95"][1] - d["difference_ci95"][0] for d in one)
+
+
+def test_an_unknown_init_is_refused_by_its_flag_before_any_run(tmp_path):
+    with pytest.raises(Exception, match="--inits scratch: each one of pretrained, random"):
+        fs.main(["run", "--ckpt", "none.pt", "--cache", "none", "--out", str(tmp_path / "o"), "--inits", "scratch"])
+    with pytest.raises(Exception, match="--inits"):
+        fs.run_seeds("none.pt", "none", tmp_path / "o", 0.1, [0], inits=())
+    assert not (tmp_path / "o").exists()
