@@ -174,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     r.add_argument("--task", default="diabetic")
     r.add_argument("--device", default="cpu")
-    r.add_argument("--inits", nargs="+", default=list(INITS), help="pretrained, random or both (the default)")
+    r.add_argument("--inits", nargs="+", default=list(INITS),
+                   help="pretrained, random or both (the default); overrides after it follow `--`")
     r.add_argument("overrides", nargs="*", help="configs/finetune.yaml keys, key=value")
     s = sub.add_parser("score", help="pair the runs of one or two folders on the test participants")
     s.add_argument("--cache", required=True)
