@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from check import probes as check_probes
 from evals import probe
 from evals import probe_metrics as pm
 from manifests.aireadi import TASKS
@@ -120,6 +121,9 @@ def score_folders(cache: str, folders: dict[str, Path], task: str = "diabetic", 
         mean = {init: contrast([(1.0 / n, runs[(init, s)]["prob"]) for s in seeds]) for init in INITS}
         mean["difference"] = contrast([(sign / n, runs[(init, s)]["prob"]) for s in seeds
                                        for init, sign in zip(INITS, (1.0, -1.0))])
+        if n > 1:  # the same mean, its interval drawing the seeds as well as the participants
+            mean["difference_seeds_resampled"] = check_probes.seed_resampled_paired(
+                task, rows, *([runs[(init, s)]["prob"] for s in seeds] for init in INITS), te, n_boot, seed)
         out["folders"][name] = {"folder": str(folders[name]), "seeds": seeds, "per_seed": per_seed, "mean": mean}
     if len(loaded) == 2:
         (a, ra), (b, rb) = loaded.items()
@@ -154,6 +158,9 @@ def report(res: dict) -> str:
         m = f["mean"]
         lines += [f"| mean | | {m[INITS[0]]['difference']:.3f} | {m[INITS[1]]['difference']:.3f} | "
                   f"{_d(m['difference'])} | |", ""]
+        if "difference_seeds_resampled" in m:
+            lines += [f"Mean difference with the seeds resampled as well as the participants: "
+                      f"{_d(m['difference_seeds_resampled'])}.", ""]
     if "change" in res:
         c = res["change"]
         lines += [f"## {c['to']} minus {c['from']} (mean over seeds {c['seeds']})", "",

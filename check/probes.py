@@ -166,6 +166,29 @@ def mean_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray,
     return pm.contrast_ci(y[mask], terms, groups[mask], k, n_boot, seed)
 
 
+def seed_resampled_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray, n_boot: int, seed: int) -> dict:
+    """The mean over training seeds of a[i] - b[i] (runs paired by seed), with an interval from a two-stage
+    bootstrap that draws the seeds with replacement as well as the participants. mean_paired's interval holds
+    the seeds fixed, so it leaves out how far another draw of training seeds would move the mean (decision 54,
+    docs/learning-check.md); with few seeds this interval is coarse, and it is a reading, not the verdict's."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"seed_resampled_paired: needs two or more runs per side, paired by seed (got {len(a)} and {len(b)})")
+    y, _, groups, k = task_arrays(task, rows)
+    y, groups = y[mask], groups[mask]
+    pred = [(p[mask].argmax(1), q[mask].argmax(1)) for p, q in zip(a, b)]
+
+    def per_seed(idx):
+        return np.array([pm.balanced_accuracy(y[idx], pa[idx], k) - pm.balanced_accuracy(y[idx], pb[idx], k)
+                         for pa, pb in pred])
+
+    rng = np.random.default_rng([seed, len(a)])  # the seeds' draws, apart from the participants' (participant_resamples)
+    vals = np.array([per_seed(idx)[rng.integers(len(a), size=len(a))].mean()
+                     for idx in pm.participant_resamples(groups, n_boot, seed)], dtype=float)
+    spread = per_seed(np.arange(len(y)))
+    return {"difference": float(spread.mean()), "difference_ci95": pm.ci95(vals), "per_seed": spread.tolist(),
+            "bootstrap_resamples": n_boot, "seeds": len(a)}
+
+
 def draws(fit) -> list[dict]:
     """An encoder's fits as a list: a random-init row reads the mean of several draws (decision 44,
     docs/learning-check.md), any other encoder is one fit_encoder result."""

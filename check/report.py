@@ -105,7 +105,10 @@ def markdown(result: dict) -> str:
         if n_seeds > 1:
             lines += ["", *(f"Per training seed at {pct(p['fraction'])}: fine-tuned "
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
-                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}."
+                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}"
+                            + (f"; fine-tuned - random with the training seeds resampled as well as the participants "
+                               f"(decision 54): {_diff(p['pretrained_minus_random_init_seeds_resampled'])}"
+                               if "pretrained_minus_random_init_seeds_resampled" in p else "") + "."
                             for p in result["finetune"]["points"])]
         if result["finetune"].get("runs"):
             lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "

@@ -42,6 +42,9 @@ def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot:
         for name, (key, q) in against.items():
             row[name] = check_probes.mean_score(BINARY, rows, q, te, n_boot, seed)
             row[key] = check_probes.mean_paired(BINARY, rows, p, q, te, n_boot, seed)
+        if len(p) > 1:  # a reading beside the verdict's interval: another draw of training seeds moves the mean too
+            row["pretrained_minus_random_init_seeds_resampled"] = check_probes.seed_resampled_paired(
+                BINARY, rows, p, tuned[f]["random"], te, n_boot, seed)
         out.append(row)
     return out
 

@@ -45,7 +45,9 @@ def finetune_point_line(p: dict) -> str:
     if p.get("train_seeds", 1) > 1:  # the interval resamples participants for these seeds: say how the seeds spread
         per = np.subtract(p["per_seed"]["pretrained"], p["per_seed"]["random_init"])
         seeds = (f", mean of {p['train_seeds']} training seeds (per seed {', '.join(f'{d:+.3f}' for d in per)}; "
-                 f"{int((per > 0).sum())} of {len(per)} above 0)")
+                 f"{int((per > 0).sum())} of {len(per)} above 0" + (
+                     f"; mean with the seeds resampled too {_diff(p['pretrained_minus_random_init_seeds_resampled'])}"
+                     if "pretrained_minus_random_init_seeds_resampled" in p else "") + ")")
     ft = p["pretrained"]["balanced_accuracy"]
     return (f"- {pct(p['fraction'])} of labels{seeds}: fine-tuned {ft:.3f}, from scratch "
             f"{p['random_init']['balanced_accuracy']:.3f}, frozen probe (head chosen on val) "

@@ -282,8 +282,46 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     assert d["difference"] == pytest.approx(pm.balanced_accuracy(yt, a.argmax(1), 2) - pm.balanced_accuracy(yt, b.argmax(1), 2))
     assert d["difference_ci95"] == pytest.approx(pm.ci95(diffs))
     per = np.subtract(row["per_seed"]["pretrained"], row["per_seed"]["random_init"])
-    assert f"mean of 2 training seeds (per seed {per[0]:+.3f}, {per[1]:+.3f}; 2 of 2 above 0)" \
+    assert f"mean of 2 training seeds (per seed {per[0]:+.3f}, {per[1]:+.3f}; 2 of 2 above 0; mean with the seeds " \
         in verdicts.finetune_verdict([row])
+
+
+def test_the_seed_resampled_interval_widens_with_the_seeds_spread_only():
+    """Decision 54: the mean over training seeds, its interval drawing seeds as well as participants. Seeds that
+    agree give the fixed-seed interval exactly (the same participant resamples); seeds that disagree widen it."""
+    import numpy as np
+
+    from check import probes as check_probes
+
+    rng = np.random.default_rng(1)
+    rows = [{"label": 3 * ((i // 6) % 2), "split": ["train", "val", "test"][(i // 2) % 3],
+             "participant_id": f"p{i // 2}"} for i in range(600)]
+    y = check_probes.task_arrays("diabetic", rows)[0]
+    right = lambda q: np.eye(2)[np.where(rng.random(len(y)) < q, y, 1 - y)]  # noqa: E731
+    te = check_probes.folds(rows, "splits")[0][3]
+    a, b = right(0.8), right(0.6)
+    same = check_probes.seed_resampled_paired("diabetic", rows, [a, a, a], [b, b, b], te, 200, 0)
+    fixed = check_probes.mean_paired("diabetic", rows, [a, a, a], [b, b, b], te, 200, 0)
+    assert same["difference"] == pytest.approx(fixed["difference"])
+    assert same["difference_ci95"] == pytest.approx(fixed["difference_ci95"])
+    pa, pb = [right(0.9), right(0.6), right(0.6)], [right(0.5), right(0.6), right(0.8)]   # per seed about +0.4, 0, -0.2
+    spread = check_probes.seed_resampled_paired("diabetic", rows, pa, pb, te, 200, 0)
+    held = check_probes.mean_paired("diabetic", rows, pa, pb, te, 200, 0)
+    ba = lambda p: check_probes.score("diabetic", rows, p, te, 0, 0)["balanced_accuracy"]  # noqa: E731
+    assert spread["per_seed"] == pytest.approx([ba(p) - ba(q) for p, q in zip(pa, pb)])
+    assert spread["difference"] == pytest.approx(held["difference"])
+    width = lambda c: c["difference_ci95"][1] - c["difference_ci95"][0]  # noqa: E731
+    assert width(spread) > 2 * width(held)
+    assert spread["difference_ci95"][0] < min(spread["per_seed"]) + 0.1 and spread["difference_ci95"][1] > max(spread["per_seed"]) - 0.1
+    with pytest.raises(ValueError, match="two or more runs"):
+        check_probes.seed_resampled_paired("diabetic", rows, [a], [b], te, 10, 0)
+    tuned = {0.1: {"pretrained": pa, "random": pb}}
+    [row] = check_rows.finetune_rows(rows, tuned, {0.1: right(0.7)}, check_probes.folds(rows, "splits"), 200, 0)
+    assert row["pretrained_minus_random_init_seeds_resampled"]["difference_ci95"] == pytest.approx(spread["difference_ci95"])
+    assert "mean with the seeds resampled too " + verdicts._diff(spread) in verdicts.finetune_verdict([row])
+    [one] = check_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, {0.1: right(0.7)},
+                                     check_probes.folds(rows, "splits"), 50, 0)
+    assert "pretrained_minus_random_init_seeds_resampled" not in one
 
 
 def test_zero_fine_tuning_seeds_are_refused_naming_the_flag():
