@@ -178,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--cache", required=True)
     r.add_argument("--out", required=True, type=Path)
     r.add_argument("--fraction", type=float, default=0.1)
-    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds that pick the participants and, unless train_seed= is given, the training's randomness "
+                        "(default 0 1 2); overrides after it follow `--`")
     r.add_argument("--task", default="diabetic")
     r.add_argument("--device", default="cpu")
     r.add_argument("--inits", nargs="+", default=list(INITS),
