@@ -127,6 +127,16 @@ class Tuned(NamedTuple):
     ckpt: str          # the best epoch's checkpoint (a reference's frozen features read its encoder)
 
 
+def training_seeds(cohort_seed: int | None, probe_seed: int, n: int) -> list[int | None]:
+    """Fine-tuning run k's training seed, which also draws the random start's weights. A generated cohort's are
+    its own (1000 x cohort seed + k), so two cohorts' from-scratch runs never start from the same encoder and two
+    fresh-seed confirmations are two draws (decision 56, docs/learning-check.md); on a SOURCE root, the probes'
+    seed + k (k = 0: None, the run's own seed)."""
+    if cohort_seed is None:
+        return [None if k == 0 else probe_seed + k for k in range(n)]
+    return [1000 * cohort_seed + k for k in range(n)]
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
               progress: bool = True) -> Tuned:
@@ -158,7 +168,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           reference_fractions: Sequence[float] | None = None, together: int | None = None,
-          random_draws: int = 1) -> dict:
+          random_draws: int = 1, shared_training_seeds: bool = False) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
     the size's, from main). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
@@ -211,11 +221,11 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     # at once, the curve's own heads join them: they need no reference (curve_fits)
     at_once = together is not None and len(run_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
-    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {pcfg.seed + k}'}), "
+    t_seeds = training_seeds(seed if generated and not shared_training_seeds else None, pcfg.seed, finetune_seeds)
+    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if t_seeds[k] is None else f', training seed {t_seeds[k]}'}), "
                               f"{pct(frac)} of labels",
                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
-                                           pcfg.seed, n_boot, finetune_args, device, None if k == 0 else pcfg.seed + k,
-                                           not at_once)))
+                                           pcfg.seed, n_boot, finetune_args, device, t_seeds[k], not at_once)))
             for frac, init, k in run_keys}
     jobs = dict(runs.values())
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
@@ -305,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
     ap.add_argument("--finetune-seeds", type=int, default=1,
                     help="with --finetune, training seeds per init on the same participants; rows are their mean "
-                         "(make FT_SEEDS=...)")
+                         "(make FT_SEEDS=...); on a generated cohort they are its own (decision 56)")
+    ap.add_argument("--shared-training-seeds", action="store_true",
+                    help="fine-tune with the probes' seed + k on every cohort, as before decision 56 (reproduces the "
+                         "fine-tuning rows read before it)")
     ap.add_argument("--random-draws", type=int, default=None,
                     help="random-init encoders whose mean each random-init row reads (default: the size's, "
                          + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")
@@ -328,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=[*(size.finetune_args if a.config is None else ()), *a.finetune_arg],
               finetune_seeds=a.finetune_seeds,
               reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
-              random_draws=a.random_draws or size.random_draws)
+              random_draws=a.random_draws or size.random_draws, shared_training_seeds=a.shared_training_seeds)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -225,6 +225,30 @@ def test_a_fine_tuning_run_is_named_for_the_seed_that_picks_its_participants():
     assert a == keys.finetune_tag("random", 0.1, None, 0)
 
 
+def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds(monkeypatch):
+    """Decision 56: a training seed sets the random start's weights, so two cohorts that shared training seeds
+    shared their from-scratch draws; a generated cohort's runs draw their own, a SOURCE root keeps the probes'.
+    --shared-training-seeds reproduces the rows read before."""
+    a, b = (learning_check.training_seeds(cohort, probe_seed=0, n=3) for cohort in (301, 307))
+    assert a == [301000, 301001, 301002] and b == [307000, 307001, 307002]
+    assert learning_check.training_seeds(None, probe_seed=0, n=3) == [None, 1, 2]   # real data: as before
+    assert learning_check.training_seeds(None, probe_seed=5, n=2) == [None, 6]
+    tags = {keys.finetune_tag("random", 0.1, t, 0) for t in a + b}
+    assert len(tags) == 6
+
+    class Called(Exception):
+        pass
+
+    def check(*args, **kw):
+        raise Called(kw["shared_training_seeds"])
+
+    monkeypatch.setattr(learning_check, "check", check)
+    for argv, shared in (([], False), (["--shared-training-seeds"], True)):
+        with pytest.raises(Called) as e:
+            learning_check.main(["--finetune", *argv])
+        assert e.value.args == (shared,)
+
+
 def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
     """Issue 40, item 8: 'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
     assert check_rows.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
