@@ -202,12 +202,14 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     reads_tokens = spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists()  # the token probe runs
     grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
+    # the fine-tuning runs' and references' training seeds, run k's at k (decision 56)
+    t_seeds = training_seeds(seed if generated and not shared_training_seeds else None, pcfg.seed, finetune_seeds)
     about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
              "source": source, "cohort_seed": seed if generated else None,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
-             "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
+             "training_seeds": t_seeds, "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
              "random_init_seeds": probe.draw_seeds(pcfg)}
     dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
@@ -221,8 +223,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     # at once, the curve's own heads join them: they need no reference (curve_fits)
     at_once = together is not None and len(run_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
-    t_seeds = training_seeds(seed if generated and not shared_training_seeds else None, pcfg.seed, finetune_seeds)
-    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if t_seeds[k] is None else f', training seed {t_seeds[k]}'}), "
+    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {t_seeds[k]}'}), "
                               f"{pct(frac)} of labels",
                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
                                            pcfg.seed, n_boot, finetune_args, device, t_seeds[k], not at_once)))
@@ -315,10 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
     ap.add_argument("--finetune-seeds", type=int, default=1,
                     help="with --finetune, training seeds per init on the same participants; rows are their mean "
-                         "(make FT_SEEDS=...); on a generated cohort they are its own (decision 56)")
+                         "(make FT_SEEDS=...); on a generated cohort they are its own, the supervised references' "
+                         "too (decision 56)")
     ap.add_argument("--shared-training-seeds", action="store_true",
-                    help="fine-tune with the probes' seed + k on every cohort, as before decision 56 (reproduces the "
-                         "fine-tuning rows read before it)")
+                    help="fine-tune and train the supervised references with the probes' seed + k on every cohort, "
+                         "as before decision 56 (reproduces the rows read before it)")
     ap.add_argument("--random-draws", type=int, default=None,
                     help="random-init encoders whose mean each random-init row reads (default: the size's, "
                          + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")

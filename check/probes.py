@@ -170,7 +170,9 @@ def seed_resampled_paired(task: str, rows: list[dict], a: list, b: list, mask: n
     """The mean over training seeds of a[i] - b[i] (runs paired by seed), with an interval from a two-stage
     bootstrap that draws the seeds with replacement as well as the participants. mean_paired's interval holds
     the seeds fixed, so it leaves out how far another draw of training seeds would move the mean (decision 54,
-    docs/learning-check.md); with few seeds this interval is coarse, and it is a reading, not the verdict's."""
+    docs/learning-check.md). Coarse with few seeds: at three, one seed drawn three times is 1 draw in 9 (each 1 in
+    27), so the bounds sit near the lowest and highest per-seed differences, blurred by the participants'
+    spread; it is a reading of how far the seeds disagree, not a calibrated 95% interval, and not the verdict's."""
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"seed_resampled_paired: needs two or more runs per side, paired by seed (got {len(a)} and {len(b)})")
     y, _, groups, k = task_arrays(task, rows)

@@ -40,6 +40,9 @@ def test_scores_pair_the_seeds_and_the_two_folders(tiny_cache, tmp_path):
         assert [r["difference"]["difference"] for r in f["per_seed"]] == pytest.approx(diffs)
         assert f["mean"]["difference"]["difference"] == pytest.approx(np.mean(diffs))
         assert f["per_seed"][1]["pretrained"]["test"] == pytest.approx(ba(folder, "pretrained", 1))
+        resampled = f["mean"]["difference_seeds_resampled"]       # decision 54: the seeds drawn too
+        assert resampled["difference"] == pytest.approx(np.mean(diffs)) and resampled["per_seed"] == pytest.approx(diffs)
+        assert "Mean difference with the seeds resampled as well as the participants: " + fs._d(resampled) in fs.report(res)
     change = np.mean([(ba("b", "pretrained", s) - ba("b", "random", s)) - (ba("a", "pretrained", s) - ba("a", "random", s))
                       for s in range(3)])
     assert res["change"]["difference"]["difference"] == pytest.approx(change)
