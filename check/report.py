@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from check.cohort import BINARY, MULTI
-from check.verdicts import _diff, chosen_on_val, draws_line, draws_said, headline_row, pct
+from check.verdicts import SEEDS_RESAMPLED, _diff, chosen_on_val, draws_line, draws_said, headline_row, pct
 from octfm import cli, fsio, plots
 
 
@@ -107,8 +107,8 @@ def markdown(result: dict) -> str:
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}"
                             + (f"; fine-tuned - random with the training seeds resampled as well as the participants "
-                               f"(decision 54): {_diff(p['pretrained_minus_random_init_seeds_resampled'])}"
-                               if "pretrained_minus_random_init_seeds_resampled" in p else "") + "."
+                               f"(decision 54): {_diff(p[SEEDS_RESAMPLED])}"
+                               if SEEDS_RESAMPLED in p else "") + "."
                             for p in result["finetune"]["points"])]
         if result["finetune"].get("runs"):
             lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "

@@ -10,7 +10,7 @@ import numpy as np
 
 from check import probes as check_probes
 from check.cohort import BINARY, MULTI
-from check.verdicts import pct
+from check.verdicts import SEEDS_RESAMPLED, pct
 from evals import features, probe, subsets
 from evals.config import ProbeConfig
 from octfm.procs import call_job, in_processes
@@ -43,7 +43,7 @@ def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot:
             row[name] = check_probes.mean_score(BINARY, rows, q, te, n_boot, seed)
             row[key] = check_probes.mean_paired(BINARY, rows, p, q, te, n_boot, seed)
         if len(p) > 1:  # a reading beside the verdict's interval: another draw of training seeds moves the mean too
-            row["pretrained_minus_random_init_seeds_resampled"] = check_probes.seed_resampled_paired(
+            row[SEEDS_RESAMPLED] = check_probes.seed_resampled_paired(
                 BINARY, rows, p, tuned[f]["random"], te, n_boot, seed)
         out.append(row)
     return out

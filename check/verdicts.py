@@ -9,6 +9,8 @@ from evals import probe
 
 
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
+# a fine-tuning row's mean difference with the training seeds resampled too (decision 54): a reading, not the verdict's
+SEEDS_RESAMPLED = "pretrained_minus_random_init_seeds_resampled"
 
 
 def finetune_against_supervised(points: list[dict]) -> str | None:
@@ -46,8 +48,8 @@ def finetune_point_line(p: dict) -> str:
         per = np.subtract(p["per_seed"]["pretrained"], p["per_seed"]["random_init"])
         seeds = (f", mean of {p['train_seeds']} training seeds (per seed {', '.join(f'{d:+.3f}' for d in per)}; "
                  f"{int((per > 0).sum())} of {len(per)} above 0" + (
-                     f"; mean with the seeds resampled too {_diff(p['pretrained_minus_random_init_seeds_resampled'])}"
-                     if "pretrained_minus_random_init_seeds_resampled" in p else "") + ")")
+                     f"; mean with the seeds resampled too {_diff(p[SEEDS_RESAMPLED])}"
+                     if SEEDS_RESAMPLED in p else "") + ")")
     ft = p["pretrained"]["balanced_accuracy"]
     return (f"- {pct(p['fraction'])} of labels{seeds}: fine-tuned {ft:.3f}, from scratch "
             f"{p['random_init']['balanced_accuracy']:.3f}, frozen probe (head chosen on val) "
