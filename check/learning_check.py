@@ -72,7 +72,7 @@ SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=1),
 TOGETHER_MAX = 4
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
 FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
-FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 40 epochs' 15,700
+FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 80 epochs' 31,400
 # the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
 TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
                 "one's included; only the probes hold it out")

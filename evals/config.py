@@ -57,7 +57,7 @@ class FinetuneConfig:
                                        # the kind whose fitted probe val ranks first (decision 39; head_init: probe)
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
-    epochs: int = 40
+    epochs: int = 80                    # decision 58 (docs/learning-check.md)
     max_steps: int | None = None       # a budget in optimizer steps whatever label_fraction is: fewer epochs when it ends first
     batch_size: int = 4                # per process
     lr: float = 3.0e-4                 # peak learning rate of the last encoder block
