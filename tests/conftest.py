@@ -11,6 +11,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # 2-core machine this took the in-process trainer and probe tests from 166 s to 94 s of wall time
     # (docs/testing.md).
     os.environ["OMP_NUM_THREADS"] = "1"
+import fcntl
+import shutil
 import socket
 import subprocess
 import sys
@@ -151,12 +153,41 @@ def start_server(cmd: list[str], port: int, log: Path, cwd: Path | None = None) 
     raise TimeoutError(f"server on port {port} did not start: {log.read_text()[-2000:]}")
 
 
+def built_once(request, tmp_path_factory, name: str, build) -> Path:
+    """The folder `build(folder)` fills, built once per pytest session, not once per xdist worker.
+    The session's shared temp folder holds it (under xdist the workers' basetemp's parent, named by
+    the run's uid); the first worker to take its lock builds it and the others wait (on the 2-core
+    machine each duplicate cost 8-18 s of a core). A build that dies leaves no marker, so the next
+    worker starts it again from empty."""
+    base, worker = tmp_path_factory.getbasetemp(), getattr(request.config, "workerinput", None)
+    shared = base.parent / f"built_once_{worker['testrunuid']}" if worker else base / "built_once"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+def own_copy(request, tmp_path_factory, name: str, build) -> Path:
+    """This worker's copy of `built_once(name)`: a test may write into it as into a folder of its own."""
+    own = tmp_path_factory.mktemp(name)
+    shutil.copytree(built_once(request, tmp_path_factory, name, build), own, symlinks=True, dirs_exist_ok=True)
+    return own
+
+
+def _build_synth_tree(folder: Path) -> None:
+    synth.generate(folder / "dataset", synth.SynthConfig(participants=8, scale=8, seed=1))
+
+
 @pytest.fixture(scope="session")
-def synth_tree(tmp_path_factory) -> Path:
+def synth_tree(request, tmp_path_factory) -> Path:
     """The default synthetic AI-READI tree (with its bad files), generated once."""
-    out = tmp_path_factory.mktemp("synth") / "dataset"
-    synth.generate(out, synth.SynthConfig(participants=8, scale=8, seed=1))
-    return out
+    return own_copy(request, tmp_path_factory, "synth", _build_synth_tree) / "dataset"
 
 
 @pytest.fixture(scope="session")
@@ -282,32 +313,36 @@ def gcs_bucket(name: str):
     return fs
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> Path:
-    """A small cache (16 x 64 x 64 volumes) for trainer tests, built by the real build."""
+def _build_tiny_cache(folder: Path) -> None:
     from cache import build
     from cache.config import CacheConfig
     from octfm import config
 
-    src = tmp_path_factory.mktemp("train_src") / "dataset"
-    synth.generate(src, synth.SynthConfig(participants=12, scale=16, seed=4, bad_files=False, unlabeled=0))
-    cache = tmp_path_factory.mktemp("train_cache") / "cache"
+    synth.generate(folder / "dataset",
+                   synth.SynthConfig(participants=12, scale=16, seed=4, bad_files=False, unlabeled=0))
     cfg = config.from_dict(CacheConfig, {"preprocess": {"target_shape": [16, 64, 64]}})
-    build.build(str(src), str(cache), cfg, progress=False)
-    return cache
+    build.build(str(folder / "dataset"), str(folder / "cache"), cfg, progress=False)
 
 
 @pytest.fixture(scope="session")
-def signal_cache(tmp_path_factory) -> Path:
-    """A cache with a planted class signal (INL thickness grows with the label), 60
-    participants, built by the real `cache.build` command; shared by the probe tests."""
-    root = tmp_path_factory.mktemp("signal")
-    synth.generate(root / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
-                                                  signal=4.0))
-    r = run_cli("cache.build", "--source", str(root / "ds"), "--cache", str(root / "cache"), "--no-progress",
+def tiny_cache(request, tmp_path_factory) -> Path:
+    """A small cache (16 x 64 x 64 volumes) for trainer tests, built by the real build."""
+    return own_copy(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
+
+
+def _build_signal_cache(folder: Path) -> None:
+    synth.generate(folder / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
+                                                    signal=4.0))
+    r = run_cli("cache.build", "--source", str(folder / "ds"), "--cache", str(folder / "cache"), "--no-progress",
                 "preprocess.target_shape=[16,64,64]")
     assert r.returncode == 0, r.stderr
-    return root / "cache"
+
+
+@pytest.fixture(scope="session")
+def signal_cache(request, tmp_path_factory) -> Path:
+    """A cache with a planted class signal (INL thickness grows with the label), 60
+    participants, built by the real `cache.build` command; shared by the probe tests."""
+    return own_copy(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
 
 
 def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[str]:
@@ -322,26 +357,32 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
     return [f"{k}={v}" for k, v in args.items()]
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tiny_cache, tmp_path_factory) -> Path:
-    """A 4-step run on tiny_cache with validation, the online probe, W&B offline (checkpoints as
-    artifacts) and a small probe: the run folder `make report` and the W&B test read. W&B only where
-    it is installed: the GPU machine's wheel folder has none, and its CUDA tests read the checkpoint."""
+def _build_tiny_run(cache: Path, root: Path) -> None:
     import importlib.util
 
-    root = tmp_path_factory.mktemp("tiny_run")
     env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     wandb = str(importlib.util.find_spec("wandb") is not None).lower()
-    args = tiny_train_args(tiny_cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
+    args = tiny_train_args(cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
                            val_batches=1, eval_every=2, **{"wandb.enabled": wandb, "wandb.mode": "offline",
                                                            "wandb.log_checkpoints": "true", "online_probe.k": 3})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    run = root / "runs" / "tiny"
-    r = run_cli("evals.probe", f"run={run}", "epochs=5", "bootstrap=20", "lrs=[1e-3]", "weight_decays=[0.0]",
-                "heads=[linear]", "cross_device=false")
+    r = run_cli("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
+                "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
     assert r.returncode == 0, r.stderr[-2000:]
-    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_run(request, tmp_path_factory) -> Path:
+    """A 4-step run on tiny_cache's volumes with validation, the online probe, W&B offline (checkpoints
+    as artifacts) and a small probe: the run folder `make report` and the W&B test read. Read-only and
+    shared by every worker, not copied: its config names the shared builds (of tiny_cache too), which
+    stages that find a run from its checkpoint (embed, export) write under. A test that writes beside
+    it passes its own --out. W&B only where it is installed: the GPU machine's wheel folder has none,
+    and its CUDA tests read the checkpoint."""
+    cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
+    run = built_once(request, tmp_path_factory, "tiny_run", lambda root: _build_tiny_run(cache, root))
+    return run / "runs" / "tiny"
 
 
 def pytest_terminal_summary(terminalreporter):
