@@ -10,7 +10,9 @@ import pytest
 
 from conftest import run_cli, tiny_train_args
 from check import keys, learning_check, report, rows as check_rows, verdicts
-from octfm import cli, procs
+from evals import probe
+from evals.config import ProbeConfig
+from octfm import cli, config, procs
 
 PROBE = ["--probe", "epochs=5", "--probe", "lrs=[1e-3]", "--probe", "weight_decays=[0.0]"]
 
@@ -42,7 +44,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         draws = t["comparisons"]["chosen_on_val"]["random_draws"]          # random init: the mean of two draws
         assert [d["draw"] for d in draws] == [1, 2]
         assert abs(t["comparisons"]["chosen_on_val"]["random_init"] - np.mean([d["random_init"] for d in draws])) < 1e-9
-    assert res["random_draws"] == 2 and res["random_init_seeds"] == [1, 2]
+    assert res["random_draws"] == 2 and res["random_init_seeds"] == [16501, 16502]   # the cohort's own (decision 60)
+    assert res["token_probe"]["features_reused"] == {"pretrained": True, "random_init": True}   # draw 1's grid
     assert verdicts.draws_line(res) in (out / "lesions" / "result.md").read_text()
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "supervised features",    # the three references' in one pass
@@ -248,6 +251,32 @@ def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds(monkeypatc
     for argv, shared in (([], False), (["--shared-training-seeds"], True)):
         with pytest.raises(Called) as e:
             learning_check.main(["--finetune", *argv])
+        assert e.value.args == (shared,)
+
+
+def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch):
+    """Decision 60: the frozen rows' random-init encoders were probe seed + 1..n on every cohort, so a
+    replication across cohorts replicated only the pretrained side. A generated cohort draws its own,
+    apart from its fine-tuning starts; real data, `make probe` and --shared-random-draws keep the old ones."""
+    def seeds(cohort):
+        cfg = config.from_dict(ProbeConfig, {"baseline_draws": 3, "baseline_seed": learning_check.baseline_seed(cohort)})
+        return probe.draw_seeds(cfg)
+
+    a, b = seeds(301), seeds(307)
+    assert a == [301501, 301502, 301503] and b == [307501, 307502, 307503]
+    assert not set(a) & set(learning_check.training_seeds(301, probe_seed=0, n=3))   # nor a fine-tuning start
+    assert seeds(None) == [1, 2, 3] == probe.draw_seeds(config.from_dict(ProbeConfig, {"baseline_draws": 3}))
+
+    class Called(Exception):
+        pass
+
+    def check(*args, **kw):
+        raise Called(kw["shared_random_draws"])
+
+    monkeypatch.setattr(learning_check, "check", check)
+    for argv, shared in (([], False), (["--shared-random-draws"], True)):
+        with pytest.raises(Called) as e:
+            learning_check.main(argv)
         assert e.value.args == (shared,)
 
 
