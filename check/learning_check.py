@@ -137,6 +137,14 @@ def training_seeds(cohort_seed: int | None, probe_seed: int, n: int) -> list[int
     return [1000 * cohort_seed + k for k in range(n)]
 
 
+def baseline_seed(cohort_seed: int | None) -> int | None:
+    """Where the frozen rows' random-init draws' init seeds start (ProbeConfig.baseline_seed; draw d's is
+    this + d). A generated cohort's are its own, 1000 x cohort seed + 500, apart from its fine-tuning
+    starts (1000 x cohort seed + k) and from every other cohort's (decision 60); None on a SOURCE root:
+    the probes' seed + d, as before."""
+    return None if cohort_seed is None else 1000 * cohort_seed + 500
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
               progress: bool = True) -> Tuned:
@@ -168,10 +176,10 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
           finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
           reference_fractions: Sequence[float] | None = None, together: int | None = None,
-          random_draws: int = 1, shared_training_seeds: bool = False) -> dict:
+          random_draws: int = 1, shared_training_seeds: bool = False, shared_random_draws: bool = False) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
-    the size's, from main). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
+    the size's, from main), a generated cohort's own unless `shared_random_draws` (decision 60). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
     run, the references' included (the size's, then the command line's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
     of the curve's; the curve keeps its frozen rows at the others). A reference is `make finetune`
@@ -192,9 +200,11 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         cache_dir = home / "cache"
     else:
         cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
+    draws_from = baseline_seed(seed if generated and not shared_random_draws else None)
     pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
-                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}", *probe_args])
+                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}",
+                        *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -260,7 +270,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
         write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
         tokens = stages.run("token probe", lambda: token_probe.run(
             ckpt, source, probe_dir / "tokens", cache, pcfg.seed, device=device, batch=pcfg.extract_batch,
-            features_dir=probe_dir / "features", precision=f["precision"]))
+            features_dir=probe_dir / "features", precision=f["precision"], random_seed=probe.draw_seeds(pcfg)[0]))
         result["token_probe"] = {**tokens, "line": token_probe.line(tokens)}
     write_result(result, dest, "result")
     plot(result, dest / "result.png")
@@ -321,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shared-training-seeds", action="store_true",
                     help="fine-tune and train the supervised references with the probes' seed + k on every cohort, "
                          "as before decision 56 (reproduces the rows read before it)")
+    ap.add_argument("--shared-random-draws", action="store_true",
+                    help="draw the frozen rows' random-init encoders with the probes' seed + d on every cohort, as "
+                         "before decision 60 (reproduces the rows read before it)")
     ap.add_argument("--random-draws", type=int, default=None,
                     help="random-init encoders whose mean each random-init row reads (default: the size's, "
                          + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")
@@ -343,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               finetune_args=[*(size.finetune_args if a.config is None else ()), *a.finetune_arg],
               finetune_seeds=a.finetune_seeds,
               reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
-              random_draws=a.random_draws or size.random_draws, shared_training_seeds=a.shared_training_seeds)
+              random_draws=a.random_draws or size.random_draws, shared_training_seeds=a.shared_training_seeds,
+              shared_random_draws=a.shared_random_draws)
     print(markdown(r))
     print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")

@@ -188,11 +188,13 @@ def compare_scorers(scores: dict, labels: np.ndarray, split: np.ndarray, partici
 
 
 def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int = 0, n_boot: int = 200,
-        device: str = "cpu", batch: int = 8, features_dir: Path | None = None, precision: str = "fp32") -> dict:
+        device: str = "cpu", batch: int = 8, features_dir: Path | None = None, precision: str = "fp32",
+        random_seed: int | None = None) -> dict:
     """The token probe of one checkpoint on a generated lesions cohort; writes <out>/token_probe.json
     and .md. Token features are kept under `features_dir` (<out>/features; a re-run reuses them;
     the learning check points it at its probes' features, whose pass wrote them: probe.encoder_features),
-    computed under `precision` autocast (features.resolve_precision)."""
+    computed under `precision` autocast (features.resolve_precision). `random_seed`: the random-init
+    encoder's init seed (None: seed + 1, the probes' first draw by default; the check passes its draw 1's)."""
     enc, tcfg, ident = features.checkpoint_encoder(ckpt)
     cache = cache or tcfg.data.cache
     rows = probe.labelled_rows(cache, seed, False)
@@ -202,7 +204,8 @@ def run(ckpt: str, source: str, out: Path, cache: str | None = None, seed: int =
     labels = np.stack([token_labels(key.get(r["relpath"]), full, crop, tubelet) for r in rows])
     split = np.array([r["split"] for r in rows])
     participants = np.array([r["participant_id"] for r in rows])
-    r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed + 1, train_cfg=tcfg)
+    r_enc, _, r_ident = features.checkpoint_encoder(None, seed=seed + 1 if random_seed is None else random_seed,
+                                                    train_cfg=tcfg)
     scores, encs = {}, {"pretrained": (enc, ident), "random_init": (r_enc, r_ident)}
     precision = features.resolve_precision(precision, device)
     keys = {name: features.grid_key(idn, rows, tcfg, precision) for name, (_, idn) in encs.items()}

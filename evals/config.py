@@ -32,8 +32,10 @@ class ProbeConfig:
     per_device: bool = True
     cross_device: bool = True
     baselines: bool = True
-    baseline_draws: int = 1            # random-init encoders drawn (init seeds seed + 1, ...); the learning check
-                                       # reads their mean (decision 44, docs/learning-check.md)
+    baseline_draws: int = 1            # random-init encoders drawn (init seeds baseline_seed + 1, ...); the learning
+                                       # check reads their mean (decision 44, docs/learning-check.md)
+    baseline_seed: int | None = None   # the draws' init seeds start after it; null: `seed`. The learning check sets
+                                       # a generated cohort's own (decision 60)
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
 

@@ -277,15 +277,16 @@ RANDOM_INIT = "random_init"
 
 
 def random_draw(draw: int) -> str:
-    """The features' name of random-init draw `draw` (1-based; init seed probe seed + draw): the first
+    """The features' name of random-init draw `draw` (1-based; init seed draw_seeds' `draw`-th): the first
     keeps the name it had when there was one."""
     return RANDOM_INIT if draw == 1 else f"{RANDOM_INIT}_{draw}"
 
 
 def draw_seeds(cfg: ProbeConfig) -> list[int]:
-    """The init seeds of the random-init draws: probe seed + 1, ..., + baseline_draws (draw 1 is the
-    encoder the probes read when there was one)."""
-    return [cfg.seed + draw for draw in range(1, cfg.baseline_draws + 1)]
+    """The init seeds of the random-init draws: baseline_seed (null: the probes' seed) + 1, ..., +
+    baseline_draws (draw 1 is the encoder the probes read when there was one)."""
+    base = cfg.seed if cfg.baseline_seed is None else cfg.baseline_seed
+    return [base + draw for draw in range(1, cfg.baseline_draws + 1)]
 
 
 def random_draws(feats: dict) -> list[str]:
