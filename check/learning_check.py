@@ -145,6 +145,18 @@ def baseline_seed(cohort_seed: int | None) -> int | None:
     return None if cohort_seed is None else 1000 * cohort_seed + 500
 
 
+def probe_config(cache_dir: Path, n_boot: int, random_draws: int, device: str, probe_args: Sequence[str],
+                 cohort_seed: int | None) -> ProbeConfig:
+    """The check's probes: configs/probe.yaml, the check's keys, then --probe. `cohort_seed`: the generated
+    cohort whose own random-init draws the rows read (baseline_seed, decision 60); None (a SOURCE root, or
+    --shared-random-draws): the probes' seed + d."""
+    draws_from = baseline_seed(cohort_seed)
+    return config.load(ProbeConfig, "configs/probe.yaml",
+                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
+                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}",
+                        *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
               progress: bool = True) -> Tuned:
@@ -179,8 +191,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
           random_draws: int = 1, shared_training_seeds: bool = False, shared_random_draws: bool = False) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished.
     `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
-    the size's, from main), a generated cohort's own unless `shared_random_draws` (decision 60). `finetune_args`: configs/finetune.yaml overrides for every fine-tuning
-    run, the references' included (the size's, then the command line's).
+    the size's, from main), a generated cohort's own unless `shared_random_draws` (decision 60).
+    `finetune_args`: configs/finetune.yaml overrides for every fine-tuning run, the references' included
+    (the size's, then the command line's).
     `reference_fractions`: the label fractions that get a supervised reference (None: every one
     of the curve's; the curve keeps its frozen rows at the others). A reference is `make finetune`
     from random init at its fraction: the very run the fine-tuning rows set the checkpoint against.
@@ -193,18 +206,13 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     if reference_fractions is not None and not set(reference_fractions) <= set(fractions):
         raise cli.UsageError(f"--reference-fraction {sorted(set(reference_fractions) - set(fractions))}: not on the "
                              f"label-efficiency curve ({', '.join(map(str, fractions))})")
-    if source is None:
-        home = work / f"{spec.cohort_name}_seed{seed}"
+    home = work / f"{spec.cohort_name}_seed{seed}"
+    cache_dir = home / "cache" if generated else work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
+    pcfg = probe_config(cache_dir, n_boot, random_draws, device, probe_args,  # refuse bad --probe keys before any work
+                        seed if generated and not shared_random_draws else None)
+    if generated:
         cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
         source = stages.run("cohort", lambda: cohort(home / "source", cfg))
-        cache_dir = home / "cache"
-    else:
-        cache_dir = work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
-    draws_from = baseline_seed(seed if generated and not shared_random_draws else None)
-    pcfg = config.load(ProbeConfig, "configs/probe.yaml",  # refuse bad --probe keys before any work too
-                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
-                        "baselines=true", f"baseline_draws={random_draws}", f"device={device}",
-                        *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())

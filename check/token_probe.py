@@ -261,11 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="default: <run>/probe/tokens")
     ap.add_argument("--bootstrap", type=int, default=200)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--random-seed", type=int, default=None,
+                    help="the random-init encoder's init seed (default 1, the probes' first draw); a learning check's "
+                         "run: its result.json's random_init_seeds[0] (each generated cohort's own, decision 60)")
     a = ap.parse_args(argv)
     folder = RunFolder(a.run)
     ckpt = checkpoint.newest_whole(folder.checkpoints())
     r = run(ckpt, a.source, Path(a.out) if a.out else folder.probe / "tokens", a.cache, n_boot=a.bootstrap,
-            device=a.device)
+            device=a.device, random_seed=a.random_seed)
     print(markdown(r))
     print(line(r))
     return 0

@@ -43,9 +43,15 @@ METRICS = (("balanced_accuracy", "balanced_accuracy"), ("auroc", "auroc_macro_ov
 VAL_COLUMNS = ["val_balanced_accuracy", "val_auroc"]
 
 
+# ProbeConfig keys added after results were stored: left out of the key while they hold their default (None),
+# so a stored result stays valid (the leaderboard probes without random-init baselines anyway)
+ADDED_LATER = ("baseline_seed",)
+
+
 def result_settings(cfg: ProbeConfig) -> dict:
     """The probe settings a checkpoint's result depends on."""
-    return {k: v for k, v in config.to_dict(cfg).items() if k not in NOT_IN_KEY}
+    return {k: v for k, v in config.to_dict(cfg).items()
+            if k not in NOT_IN_KEY and not (k in ADDED_LATER and v is None)}
 
 
 def settings_key(cfg: ProbeConfig) -> str:

@@ -157,3 +157,13 @@ def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_p
     done, todo = leaderboard.Board(fast_cfg()).plan(str(run))
     assert 99 not in done and 99 not in [step for step, _, _ in todo]
     assert f"leaderboard: skipping {torn}: cut short" in capsys.readouterr().err
+
+
+def test_a_probe_key_added_later_leaves_stored_results_valid_at_its_default():
+    """`baseline_seed` (decision 60) came after leaderboards were stored: at its default (None) it stays out
+    of the settings key, so no stored result goes stale; set, it is in the key."""
+    default = config.load(ProbeConfig, "configs/probe.yaml", [])
+    assert "baseline_seed" not in leaderboard.result_settings(default)
+    seeded = config.load(ProbeConfig, "configs/probe.yaml", ["baseline_seed=5"])
+    assert leaderboard.result_settings(seeded)["baseline_seed"] == 5
+    assert leaderboard.settings_key(seeded) != leaderboard.settings_key(default)

@@ -254,7 +254,7 @@ def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds(monkeypatc
         assert e.value.args == (shared,)
 
 
-def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch):
+def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch, tmp_path):
     """Decision 60: the frozen rows' random-init encoders were probe seed + 1..n on every cohort, so a
     replication across cohorts replicated only the pretrained side. A generated cohort draws its own,
     apart from its fine-tuning starts; real data, `make probe` and --shared-random-draws keep the old ones."""
@@ -266,14 +266,28 @@ def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch):
     assert a == [301501, 301502, 301503] and b == [307501, 307502, 307503]
     assert not set(a) & set(learning_check.training_seeds(301, probe_seed=0, n=3))   # nor a fine-tuning start
     assert seeds(None) == [1, 2, 3] == probe.draw_seeds(config.from_dict(ProbeConfig, {"baseline_draws": 3}))
+    assert config.load(ProbeConfig, "configs/probe.yaml", []).baseline_seed is None     # make probe: as before
+
+    def draws_from(cohort, *probe_args):
+        return learning_check.probe_config(tmp_path / "cache", 10, 3, "cpu", probe_args, cohort).baseline_seed
+
+    assert draws_from(301) == 301500 and draws_from(None) is None
+    assert draws_from(301, "baseline_seed=7") == 7                                      # --probe has the last word
 
     class Called(Exception):
         pass
 
-    def check(*args, **kw):
-        raise Called(kw["shared_random_draws"])
+    def raises(*args, **kw):
+        raise Called(*args, *kw.values())
 
-    monkeypatch.setattr(learning_check, "check", check)
+    monkeypatch.setattr(learning_check, "probe_config", raises)      # the cohort whose draws check() asks for
+    for source, shared, asked in ((None, False, 301), (None, True, None), (str(tmp_path / "real"), False, None)):
+        with pytest.raises(Called) as e:
+            learning_check.check(source, tmp_path / "work", tmp_path / "out", "configs/pretrain_check.yaml", [],
+                                 seed=301, shared_random_draws=shared)
+        assert e.value.args[-1] == asked
+    assert not (tmp_path / "work").exists()                          # asked before any work
+    monkeypatch.setattr(learning_check, "check", lambda *args, **kw: raises(kw["shared_random_draws"]))
     for argv, shared in (([], False), (["--shared-random-draws"], True)):
         with pytest.raises(Called) as e:
             learning_check.main(argv)
