@@ -10,8 +10,10 @@ STAMP  := $(VENV)/.installed
 
 ZIPPED ?= 0
 zipped  = $(filter 1 true yes,$(ZIPPED))
-SRC    ?= data/demo/b2$(if $(zipped),_zip)
-DST    ?= data/demo/gcs$(if $(zipped),_zip)
+LAYOUT ?= $(if $(zipped),zipped,plain)
+layout_tag = $(if $(filter-out plain,$(LAYOUT)),_$(LAYOUT))
+SRC    ?= data/demo/b2$(layout_tag)
+DST    ?= data/demo/gcs$(layout_tag)
 SOURCE ?= $(DST)
 CACHE  ?= data/cache
 LOCAL  ?= data/local_cache
@@ -20,6 +22,8 @@ ARGS   ?=
 SHARD  ?=
 SHARDS ?=
 STRICT ?= 0
+OCT_MANIFEST ?=
+PARTICIPANTS ?=
 CKPT   ?=
 RUN    ?=
 RUNS   ?=
@@ -28,6 +32,7 @@ NPROC  ?= 1
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
 shard_flag  = $(if $(SHARD),--shard $(SHARD)) $(if $(SHARDS),--shards $(SHARDS))
+table_flags = $(if $(OCT_MANIFEST),--oct-manifest $(OCT_MANIFEST)) $(if $(PARTICIPANTS),--participants $(PARTICIPANTS))
 cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
@@ -48,10 +53,11 @@ help:
 	@echo "make venv [TORCH_INDEX=<wheel index URL>]   .venv with torch==2.13.0 first, then the project (demo and test make it too)"
 	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
 	@echo "make demo ZIPPED=1   the same with the DICOMs in per-device ZIP archives, read in place"
+	@echo "make demo LAYOUT=repack   the same from a bucket packed as one research group packs theirs (tables at the root, <device>/<device>.zip)"
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo ""
 	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
-	@echo "make manifest SOURCE=<dataset root> [CACHE=...]"
+	@echo "make manifest SOURCE=<dataset root> [CACHE=...] [OCT_MANIFEST=<path>] [PARTICIPANTS=<path>] [CONFIG=configs/cache.yaml]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
 	@echo "make expand SOURCE=<zipped dataset root> DST=<folder or gs://...> [STRICT=1]"
 	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
@@ -95,9 +101,9 @@ DEMO_COHORT := --participants 40 --lesions 1 --signal 2
 DEMO_SHAPE  := preprocess.target_shape=[32,128,128]
 
 demo: $(STAMP)
-	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(DEMO_COHORT) $(if $(zipped),--zipped)
+	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(DEMO_COHORT) --layout $(LAYOUT)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
-	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
+	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet $(cache_cfg) $(DEMO_SHAPE)
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg) $(DEMO_SHAPE)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE) data.stride=[1,1,1]
 	$(PY) -m evals.probe --config configs/probe.yaml run=runs/pretrain_smoke
@@ -139,9 +145,10 @@ plan: need-plan $(STAMP)
 DEVICE     := .device
 WHEEL_PY   ?= 3.12
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
-wheelhouse: $(STAMP)
+# (plain pip download: no venv needed to fetch eight wheels for another machine's Python)
+wheelhouse:
 	rm -rf $(DEVICE)/wheels && mkdir -p $(DEVICE)/wheels
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
 	  $(WHEEL_PLATFORMS) -d $(DEVICE)/wheels -r bench/device_wheels.txt
 	@if [ -n "$(VJEPA2_SRC)" ]; then rm -rf $(DEVICE)/vjepa2 && mkdir -p $(DEVICE)/vjepa2 && \
 	  git -C $(VJEPA2_SRC) archive HEAD src app | tar -x -C $(DEVICE)/vjepa2 && \
@@ -189,10 +196,10 @@ mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
 
 manifest: $(STAMP)
-	$(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(strict_flag)
+	$(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(table_flags) $(cache_cfg) $(strict_flag) $(ARGS)
 
 cache: $(STAMP)
-	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(strict_flag) $(ARGS)
+	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(table_flags) $(strict_flag) $(ARGS)
 
 # Optional: manifest and cache read ZIP members in place. DST is required (never a default).
 expand: $(STAMP)

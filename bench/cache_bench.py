@@ -152,7 +152,7 @@ def child_reads(a: dict) -> dict:
 
     def worker_path() -> np.ndarray:
         vol = decode_volume(worker.read_with_retries(str(path), 1))
-        return prep.preprocess(vol.pixels, prep.PreprocessConfig(target_shape=target))[0]
+        return prep.preprocess(vol.pixels, prep.PreprocessConfig(target_shape=target)).volume
 
     vol = naive_decode(path)
     lo, hi = naive_window(vol)

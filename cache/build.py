@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from cache import shards, store
 from cache.config import CacheConfig
-from cache.worker import SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
+from cache.worker import SCAN_NAMES, SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
 from ingest import dicom
 from ingest import preprocess as prep
 from manifests import build as manifest_build
@@ -29,7 +29,7 @@ from manifests import layout, schema
 from octfm import cli, config, fsio, procs
 
 # the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
-OUTPUT_KEYS = ("target_shape", "percentiles", "window_samples", "orientation", "decoder")
+OUTPUT_KEYS = ("target_shape", "resample", "spacing_mm", "percentiles", "window_samples", "orientation", "decoder")
 
 
 def cache_key(row: dict, cfg: CacheConfig) -> str:
@@ -52,19 +52,47 @@ def source_location(uri: str) -> str:
     return member[0] if member else uri
 
 
-def load_sources(source: str, cache_root: str, seed: int = 0) -> list[dict]:
-    """<CACHE>/sources.parquet, built from SOURCE when missing or made for another root."""
+def load_sources(source: str, cache_root: str, seed: int = 0, tables: dict | None = None) -> list[dict]:
+    """The source rows as SOURCE holds them now: the dataset listed again (one listing, with the
+    options `make manifest` recorded in <CACHE>/sources.parquet) and that file rewritten when
+    what it lists changed (files added, removed or rewritten, a relabelled participants.tsv) or
+    it was made for another root. Keyed on the listing, not the path: a tree regenerated in the
+    same folder is read anew. `tables`: oct_manifest / participants_tsv given on the command line."""
     uri = layout.sources_uri(cache_root)
-    root = source.rstrip("/")
-    if fsio.exists(uri):
-        rows = schema.read_table(uri, schema.SOURCES_SCHEMA).to_pylist()
-        if rows and all(r["source"] is None or source_location(r["source"]).startswith(root + "/") for r in rows):
-            return rows
+    stored = layout.read_sources(cache_root)
+    opts = manifest_build.sources_options(source, seed)
+    same_root = stored is not None and _made_for(stored, opts["root"])
+    if same_root:
+        opts.update({k: v for k, v in stored[1].items() if k in ("seed", "oct_manifest", "participants_tsv")})
+    opts.update({k: v for k, v in (tables or {}).items() if v})
+    rows, _ = manifest_build.build_sources(**opts)
+    if same_root:
+        change = _changes(stored[0], rows)
+        if not change:
+            return stored[0]
+        print(f"cache: SOURCE={source} changed since {uri} was written ({change}); rewriting it")
+    elif stored is not None:
         print(f"cache: {uri} was made for another SOURCE; rebuilding it from {source}")
-    rows, summary = manifest_build.build_sources(source, seed=seed)
-    manifest_build.write_sources(rows, uri)
+    manifest_build.write_sources(rows, uri, opts)
     print(f"cache: wrote {uri} ({len(rows)} rows)")
     return rows
+
+
+def _made_for(stored: tuple[list[dict], dict], root: str) -> bool:
+    rows, opts = stored
+    if "root" in opts:
+        return opts["root"] == root
+    return all(r["source"] is None or source_location(r["source"]).startswith(root + "/") for r in rows)
+
+
+def _changes(old: list[dict], new: list[dict]) -> str:
+    """'' when the two listings' rows are the same, else what changed, in counts."""
+    if schema.to_table(old, schema.SOURCES_SCHEMA).equals(schema.to_table(new, schema.SOURCES_SCHEMA)):
+        return ""
+    a = {r["relpath"]: r for r in old}
+    b = {r["relpath"]: r for r in new}
+    changed = sum(a[k] != b[k] for k in a.keys() & b.keys())
+    return f"{len(b.keys() - a.keys())} rows added, {len(a.keys() - b.keys())} removed, {changed} changed"
 
 
 part_uri = layout.part_uri
@@ -88,7 +116,8 @@ def existing_arrays(cache_root: str) -> set[str]:
 
 
 def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, int]):
-    """Split this shard's rows into reusable (done) and to-do, computing cache keys."""
+    """Split this shard's rows into done (failed in the manifest, not selected, or reusable) and
+    to-do, computing cache keys. A file read before keeps its header's reading of the scan."""
     prev = previous_rows(cache_root, shard)
     arrays = existing_arrays(cache_root)
     done, todo = [], []
@@ -98,14 +127,23 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
         if row["manifest_error"]:
             done.append({**row, "status": "failed", "error": row["manifest_error"], "code_version": prep.CODE_VERSION})
             continue
+        old = prev.get(row["relpath"])
+        read = old if old and old.get("cache_key") == row["cache_key"] and old.get("status") in ("ok", "skipped") else None
+        if read:
+            row.update({k: read.get(k) for k in SCAN_NAMES})
+        reason = cfg.select.skip_reason(row, final=bool(read))
+        if reason is not None:
+            kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1")} if read else {}
+            done.append({**row, **kept, "status": "skipped", "skip_reason": reason, "code_version": prep.CODE_VERSION,
+                         "reused": bool(read)})
+            continue
         vol = volume_path(row["relpath"])
         if vol in arrays:
-            old = prev.get(row["relpath"])
-            if not (old and old.get("status") == "ok" and old.get("cache_key") == row["cache_key"]):
-                old = store.read_attrs(cache_root, vol)
-            if old and old.get("cache_key") == row["cache_key"] and old.get("status") == "ok":
-                done.append({**{k: old.get(k) for k in VOLUME_NAMES}, **row, "reused": True,
-                             "sop_instance_uid": row["sop_instance_uid"] or old.get("sop_instance_uid")})
+            if not (read and read.get("status") == "ok"):
+                read = store.read_attrs(cache_root, vol)
+            if read and read.get("cache_key") == row["cache_key"] and read.get("status") == "ok":
+                done.append({**row, **{k: read.get(k) for k in (*VOLUME_NAMES, *SCAN_NAMES) if k in read},
+                             "reused": True, "sop_instance_uid": row["sop_instance_uid"] or read.get("sop_instance_uid")})
                 continue
         todo.append(row)
     return done, todo
@@ -250,19 +288,27 @@ def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
             fs.rm(p)
 
 
-def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, shard, pending: int = 0) -> str:
-    per_dev: dict = {}
+def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, shard, pending: int = 0,
+              mismatches: int = 0) -> str:
+    """The end-of-build table: volumes per device and protocol, then why rows failed or were skipped."""
+    per: dict = {}
     for r in rows:
-        d = per_dev.setdefault(r.get("device") or "unknown", Counter())
-        d[r["status"]] += 1
-    table = cli.format_table(["device", "ok", "failed"],
-                             [(d, c["ok"], c["failed"]) for d, c in sorted(per_dev.items())] +
-                             [("total", sum(c["ok"] for c in per_dev.values()),
-                               sum(c["failed"] for c in per_dev.values()))])
-    reasons = Counter(cli.reason(r["error"]) for r in rows if r["status"] == "failed" and r.get("error"))
+        per.setdefault((r.get("device") or "unknown", r.get("protocol") or "unknown"), Counter())[r["status"]] += 1
+    statuses = ("ok", "skipped", "failed")
+    totals = [sum(c[k] for c in per.values()) for k in statuses]
+    table = cli.format_table(["device", "protocol", *statuses],
+                             [(d, p, *(c[k] for k in statuses)) for (d, p), c in sorted(per.items())] +
+                             [("total", "", *totals)])
     lines = [table]
+    skips = Counter(r["skip_reason"] for r in rows if r["status"] == "skipped" and r.get("skip_reason"))
+    if skips:
+        lines.append(cli.format_table(["skipped because", "files"], skips.most_common()))
+    reasons = Counter(cli.reason(r["error"]) for r in rows if r["status"] == "failed" and r.get("error"))
     if reasons:
         lines.append(cli.format_table(["failure reason", "files"], reasons.most_common()))
+    if mismatches:
+        lines.append(f"note: {mismatches} file(s) whose name names another protocol than their header's "
+                     "Protocol Name (the header's is kept)")
     new = len(rows) - reused
     left = f", {pending} pending (not started; a re-run does them)" if pending else ""
     lines.append(f"cache: {len(rows) + pending} rows in shard {shard[0]}/{shard[1]}: {reused} reused, {new} processed"
@@ -270,28 +316,29 @@ def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, sh
     return "\n".join(lines)
 
 
-def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress: bool = True) -> list[dict]:
+def build(source: str, cache_root: str, cfg: CacheConfig, shard=(0, 1), progress: bool = True,
+          tables: dict | None = None) -> list[dict]:
     """Build (or complete) this shard of the cache. Returns its manifest rows. A local cache
     takes one build per shard at a time (a lock file in its root): two builders of the same
     shard would write the same volumes and overwrite each other's manifest part."""
     if fsio.is_remote(cache_root):
-        return _build(source, cache_root, cfg, shard, progress)
+        return _build(source, cache_root, cfg, shard, progress, tables)
     root = Path(fsio.filesystem(cache_root)[1])  # a plain path or file://
     root.mkdir(parents=True, exist_ok=True)
     lock = root / f".build-{shard[0]}-of-{shard[1]}.lock"
     try:
         with fsio.pid_lock(lock, on_stale=lambda m: print(f"cache: {m}", file=sys.stderr)):
-            return _build(source, cache_root, cfg, shard, progress)
+            return _build(source, cache_root, cfg, shard, progress, tables)
     except fsio.Busy as exc:
         raise cli.UsageError(f"--cache {cache_root}: another make cache is building shard {shard[0]}/{shard[1]} of "
                              f"it ({exc}); wait for it to finish") from None
 
 
-def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool) -> list[dict]:
+def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool, tables: dict | None) -> list[dict]:
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
     fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run
-    sources = load_sources(source, cache_root)
+    sources = load_sources(source, cache_root, tables=tables)
     rows = shards.select(sources, shard)
     if shard[1] > 1:
         print(f"cache: shard {shard[0]}/{shard[1]}: {shards.balance_line(sources, shard)}")
@@ -305,10 +352,12 @@ def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool
     abort = AbortRule(cfg.abort_after_read_errors, cache_root)
 
     failed = sum(r["status"] == "failed" for r in by_path.values())
+    mismatches = 0
 
     def on_row(row: dict | None) -> None:
-        nonlocal last_flush, failed
+        nonlocal last_flush, failed, mismatches
         if row is not None:
+            mismatches += bool(row.get("protocol_mismatch"))
             row = {k: row.get(k) for k in schema.CACHE_SCHEMA.names}
             by_path[row["relpath"]] = row
             pending.pop(row["relpath"], None)
@@ -328,11 +377,11 @@ def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool
             bar.close()
             written = write_part(by_path, pending, cache_root, shard)  # what finished is on record, the rest pending
             print(summarize([r for r in written if r["status"] != "pending"], reused,
-                            time.perf_counter() - t0, cache_root, shard, pending=len(pending)))
+                            time.perf_counter() - t0, cache_root, shard, pending=len(pending), mismatches=mismatches))
             raise
     bar.close()
     out = write_part(by_path, {}, cache_root, shard)
-    print(summarize(out, reused, time.perf_counter() - t0, cache_root, shard))
+    print(summarize(out, reused, time.perf_counter() - t0, cache_root, shard, mismatches=mismatches))
     return out
 
 
@@ -345,14 +394,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "environment, see cache.shards)")
     ap.add_argument("--shards", type=int, default=None, help="N, with an index from the environment that comes "
                     "without a count (a Kubernetes Indexed Job's JOB_COMPLETION_INDEX)")
-    ap.add_argument("--strict", action="store_true", help="exit 3 when any row failed")
+    ap.add_argument("--strict", action="store_true", help="exit 3 when any row failed (skipped rows do not count)")
+    ap.add_argument("--oct-manifest", default=None, help="as make manifest's (make OCT_MANIFEST=...)")
+    ap.add_argument("--participants", default=None, help="as make manifest's (make PARTICIPANTS=...)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     cfg = config.load(CacheConfig, args.config, args.overrides)
     shard = shards.resolve(args.shard, args.shards)
     print(f"cache: shard {shard}")
-    rows = build(args.source, args.cache, cfg, (shard.index, shard.count), progress=not args.no_progress)
+    rows = build(args.source, args.cache, cfg, (shard.index, shard.count), progress=not args.no_progress,
+                 tables={"oct_manifest": args.oct_manifest, "participants_tsv": args.participants})
     return cli.strict_status(sum(r["status"] == "failed" for r in rows), args.strict)
 
 

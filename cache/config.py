@@ -4,11 +4,50 @@ from __future__ import annotations
 import dataclasses
 
 from ingest import preprocess as prep
+from manifests import aireadi, protocols
+
+
+@dataclasses.dataclass
+class Select:
+    """Which sources become volumes. Each key lists the values kept; an empty list keeps every value.
+    A row that does not pass is `skipped`, with its reason: never failed, never cached. By default
+    only raster volumes: a radial scan's B-scans are no volume (manifests/protocols.py)."""
+    device: list[str] = dataclasses.field(default_factory=list)        # e.g. [topcon_triton, zeiss_cirrus]
+    protocol: list[str] = dataclasses.field(default_factory=list)      # e.g. ["maestro2 3d wide oct"]
+    region: list[str] = dataclasses.field(default_factory=list)        # macula, optic disc, wide field
+    scan_pattern: list[str] = dataclasses.field(default_factory=lambda: [protocols.RASTER])  # + radial, line, unknown
+
+    def __post_init__(self):
+        from octfm.config import FieldError
+
+        bad = [p for p in self.scan_pattern if p not in (*protocols.PATTERNS, protocols.UNKNOWN)]
+        if bad:
+            raise FieldError("scan_pattern", f"{bad}: each one of {[*protocols.PATTERNS, protocols.UNKNOWN]}")
+        bad = [d for d in self.device if d not in aireadi.DEVICES]
+        if bad:
+            raise FieldError("device", f"{bad}: each one of {list(aireadi.DEVICES)}")
+        self.protocol = [protocols.normalise(p) for p in self.protocol]
+        self.region = [" ".join(r.lower().split()) for r in self.region]
+
+    def skip_reason(self, row: dict, final: bool = True) -> str | None:
+        """Why this row is not cached under this selection (None: it is). Not `final` (before the
+        header is read): a value not known yet passes, for the header to tell."""
+        checks = (("device", row.get("device")), ("protocol", row.get("protocol")),
+                  ("region", protocols.region_word(row.get("anatomic_region"))), ("scan_pattern", row.get("scan_pattern")))
+        for key, value in checks:
+            kept = getattr(self, key)
+            if value is None and not final:
+                continue
+            value = value or protocols.UNKNOWN
+            if kept and value not in kept:
+                return f"not selected: {key} {value} (select.{key} keeps {', '.join(kept)})"
+        return None
 
 
 @dataclasses.dataclass
 class CacheConfig:
     preprocess: prep.PreprocessConfig = dataclasses.field(default_factory=prep.PreprocessConfig)
+    select: Select = dataclasses.field(default_factory=Select)
     workers: int = 0
     codec: str = "zstd"
     clevel: int = 3

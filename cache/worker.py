@@ -12,13 +12,16 @@ import time
 
 from cache import store
 from cache.config import CacheConfig
+from ingest import geometry
 from ingest import preprocess as prep
-from ingest.dicom import BadInput, decode_volume
-from manifests import layout, schema
+from ingest.dicom import BadInput, decode_pixels, read_header
+from manifests import layout, protocols, schema
 from octfm import archives, config, fsio
 
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
 VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAMES]
+# source columns the header reads anew (describe_scan): a reused row keeps the header's reading
+SCAN_NAMES = ("protocol", "scan_pattern", "field_mm")
 
 
 def volume_path(relpath: str) -> str:
@@ -40,6 +43,30 @@ def _init_worker() -> None:
         pass
 
 
+def describe_scan(row: dict, header) -> dict:
+    """What the header says of the scan, the manifest's reading as fallback: protocol (Protocol Name
+    first), scan_pattern (the frames' traces first, then the published protocol), the voxel size
+    (axes the header leaves out filled from the published field) and field_mm (each axis's extent;
+    none across a radial scan's frames). `mismatch`: the file name's protocol where the header's differs."""
+    named = protocols.normalise(header.protocol_name)
+    protocol = named or row.get("protocol")
+    mismatch = row.get("protocol") if named and row.get("protocol") and named != row.get("protocol") else None
+    pattern = geometry.scan_pattern(header.traces) or protocols.published_pattern(protocol)
+    shape = (header.frames, header.rows, header.cols)
+    published = protocols.published_field(protocol) or [None, None, None]
+    spacing = list(header.spacing_mm or (float("nan"),) * 3)
+    for axis, extent in enumerate(published):
+        if not spacing[axis] > 0 and extent:
+            spacing[axis] = extent / shape[axis]
+    field = [round(s * n, 4) if s > 0 else None for s, n in zip(spacing, shape)]
+    if pattern == protocols.RADIAL:
+        field[0] = None
+    known = all(s > 0 for s in spacing)
+    return {"protocol": protocol, "scan_pattern": pattern, "field_mm": field, "native_shape": list(shape),
+            "spacing": tuple(spacing) if known or header.spacing_mm else None, "mismatch": mismatch,
+            "device": row.get("device"), "anatomic_region": row.get("anatomic_region")}
+
+
 def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> bytes:
     """Read a source, retrying transient I/O errors (timeouts included) with exponential backoff."""
     delay = 0.5
@@ -57,7 +84,8 @@ def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> 
 
 
 def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
-    """One source -> one cache row (ok or failed). Never raises for bad input."""
+    """One source -> one cache row: ok, skipped (the header shows it is not selected) or failed.
+    Never raises for bad input."""
     cfg = config.from_dict(CacheConfig, cfg_dict)
     t0 = time.perf_counter()
     out = {"status": "failed", "volume": None, "cache_key": row["cache_key"], "code_version": prep.CODE_VERSION}
@@ -86,28 +114,37 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
             if md5 != row["expected_md5"]:
                 raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
         t1 = time.perf_counter()
-        vol = decode_volume(data, max_voxels=cfg.preprocess.max_voxels, decoder=cfg.preprocess.decoder,
-                          accept_any_sop=cfg.preprocess.accept_any_sop)
+        header = read_header(data, max_voxels=cfg.preprocess.max_voxels, accept_any_sop=cfg.preprocess.accept_any_sop)
+        scan = describe_scan(row, header)
+        out.update({k: scan[k] for k in ("protocol", "scan_pattern", "field_mm")}, native_shape=scan["native_shape"],
+                   transfer_syntax=str(header.ds.file_meta.TransferSyntaxUID), protocol_mismatch=scan["mismatch"])
+        reason = cfg.select.skip_reason({**row, **scan})
+        if reason is not None:  # decided by the header: no pixel decoded
+            out.update(status="skipped", skip_reason=reason, error=None, volume=None,
+                       total_s=round(time.perf_counter() - t0, 4))
+            return out
+        vol = decode_pixels(header, data, cfg.preprocess.decoder)
         del data
         t2 = time.perf_counter()
-        protocol = " ".join(str(v or "") for v in (row.get("imaging"), row.get("anatomic_region"),
-                                                    os.path.basename(row["relpath"])))
-        flip = prep.flip_axes(row.get("device"), protocol, cfg.preprocess.orientation)
-        arr, lo, hi = prep.preprocess(vol.pixels, cfg.preprocess, flip)
+        text = " ".join(str(v or "") for v in (scan["protocol"], row.get("imaging"), row.get("anatomic_region"),
+                                                os.path.basename(row["relpath"])))
+        flip = prep.flip_axes(row.get("device"), text, cfg.preprocess.orientation, geometry.raster_flips(header.traces))
+        res = prep.preprocess(vol.pixels, cfg.preprocess, flip, scan["spacing"])
+        arr = res.volume
         t3 = time.perf_counter()
         out.update({
             "status": "ok", "error": None, "volume": volume_path(row["relpath"]),
-            "shape": list(arr.shape), "native_shape": list(vol.pixels.shape), "lo": lo, "hi": hi,
-            "spacing_mm": prep.output_spacing(vol.spacing_mm, vol.pixels.shape, arr.shape),
+            "shape": list(arr.shape), "lo": res.lo, "hi": res.hi,
+            "spacing_mm": res.spacing_mm, "crop_pad": res.crop_pad,
             "native_spacing_mm": list(vol.spacing_mm) if vol.spacing_mm else None,
-            "flipped_axes": flip, "transfer_syntax": vol.transfer_syntax, "bits_stored": vol.bits_stored,
+            "flipped_axes": flip, "bits_stored": vol.bits_stored,
             "decode_s": round(t2 - t1, 4), "preprocess_s": round(t3 - t2, 4),
         })
         if not row.get("sop_instance_uid"):  # unlisted files: the header's UID, so duplicates show
             out["sop_instance_uid"] = vol.sop_instance_uid
         out["total_s"] = round(time.perf_counter() - t0, 4)
-        attrs = {k: out.get(k) for k in VOLUME_NAMES} | {"sop_instance_uid": vol.sop_instance_uid,
-                                                          "preprocess": config.to_dict(cfg.preprocess)}
+        attrs = {k: out.get(k) for k in (*VOLUME_NAMES, *SCAN_NAMES)} | {
+            "sop_instance_uid": vol.sop_instance_uid, "preprocess": config.to_dict(cfg.preprocess)}
         store.write_volume(cache_root, out["volume"], arr, attrs,
                            cname=cfg.codec, clevel=cfg.clevel, tag=tag)
     except BadInput as exc:

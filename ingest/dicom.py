@@ -16,6 +16,8 @@ import pydicom
 from pydicom.errors import InvalidDicomError
 from pydicom.pixels import get_decoder
 
+from ingest import geometry
+
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 # Ophthalmic tomography storage classes we accept as OCT sources (OPT, and OCT B-scan volume analysis).
 OCT_SOP_CLASSES = {OPT_SOP_CLASS, "1.2.840.10008.5.1.4.1.1.77.1.5.8"}
@@ -30,6 +32,29 @@ class BadInput(Exception):
 
 
 @dataclasses.dataclass
+class Header:
+    """A file's validated header: what the pixels will be, and where the scan lies. Read before
+    any pixel is decoded, so a file that will not be cached costs no decoding."""
+    ds: pydicom.Dataset
+    span: tuple[int, int] | None            # native PixelData's (offset, length) in the bytes, else None
+    frames: int
+    rows: int
+    cols: int
+    bits: int
+    traces: list | None                     # each frame's trace on the localizer (ingest/geometry.py)
+
+    @property
+    def protocol_name(self) -> str | None:
+        """Protocol Name (0018,1030), which AI-READI sets in every file."""
+        v = self.ds.get("ProtocolName")
+        return str(v) if v else None
+
+    @property
+    def spacing_mm(self) -> tuple | None:
+        return spacing_of(self.ds)
+
+
+@dataclasses.dataclass
 class Volume:
     pixels: np.ndarray                      # [frames, rows, cols], uint8 or uint16
     spacing_mm: tuple | None                # (frame, row, col) or None when absent
@@ -37,6 +62,8 @@ class Volume:
     bits_stored: int
     sop_instance_uid: str | None
     laterality: str | None
+    protocol_name: str | None = None
+    traces: list | None = None
 
 
 def parse(data: bytes, where: str = "") -> pydicom.Dataset:
@@ -213,19 +240,30 @@ def unsigned_monochrome2(ds: pydicom.Dataset, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def decode_volume(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, decoder: str = "auto",
-                accept_any_sop: bool = False) -> Volume:
-    """Bytes of one DICOM -> validated Volume, or BadInput naming what was wrong."""
+def read_header(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, accept_any_sop: bool = False) -> Header:
+    """Bytes of one DICOM -> its validated Header (pixels not decoded), or BadInput."""
     ds, span = parse_native(data)
     if span is None:
         ds = parse(data)
     frames, rows, cols, bits = check_header(ds, max_voxels, accept_any_sop, has_pixels=span is not None)
     check_native_length(ds, frames, rows, cols, bits, None if span is None else span[1])
-    if span is None:
-        pixels = decode(ds, frames, rows, cols, decoder)
+    return Header(ds, span, frames, rows, cols, bits, geometry.frame_traces(ds))
+
+
+def decode_pixels(h: Header, data: bytes, decoder: str = "auto") -> Volume:
+    """The header's pixels decoded (a view of `data` when native), as a Volume."""
+    ds = h.ds
+    if h.span is None:
+        pixels = decode(ds, h.frames, h.rows, h.cols, decoder)
     else:
-        pixels = native_view(ds, data, span[0], frames, rows, cols, bits)
+        pixels = native_view(ds, data, h.span[0], h.frames, h.rows, h.cols, h.bits)
     lat = ds.get("ImageLaterality") or ds.get("Laterality")
     return Volume(pixels=pixels, spacing_mm=spacing_of(ds), transfer_syntax=str(ds.file_meta.TransferSyntaxUID),
-                  bits_stored=int(ds.get("BitsStored", bits)), sop_instance_uid=str(ds.get("SOPInstanceUID", "")) or None,
-                  laterality=str(lat) if lat else None)
+                  bits_stored=int(ds.get("BitsStored", h.bits)), sop_instance_uid=str(ds.get("SOPInstanceUID", "")) or None,
+                  laterality=str(lat) if lat else None, protocol_name=h.protocol_name, traces=h.traces)
+
+
+def decode_volume(data: bytes, *, max_voxels: int = 512 * 1024 * 1024, decoder: str = "auto",
+                  accept_any_sop: bool = False) -> Volume:
+    """Bytes of one DICOM -> validated Volume, or BadInput naming what was wrong."""
+    return decode_pixels(read_header(data, max_voxels=max_voxels, accept_any_sop=accept_any_sop), data, decoder)

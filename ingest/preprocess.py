@@ -1,9 +1,14 @@
 """Normalise and resample a decoded OCT volume into the cache's uint8 grid.
 
 Window: quantiles [p_lo, p_hi] from a strided subsample (about `window_samples` voxels),
-computed exactly from a histogram for integer data. Then clip, rescale to 0..255, resize
-to the target grid with antialiasing (separable weight matrices: frames in float32 slabs to
-bound memory, then rows and columns), and flip devices into one orientation.
+computed exactly from a histogram for integer data. Then clip, rescale to 0..255 and resample
+with antialiasing (separable weight matrices: frames in float32 slabs to bound memory, then rows
+and columns), after flipping the volume into the common orientation.
+
+Two ways to resample (`resample`): `grid` stretches every volume onto `target_shape`, whatever
+its field; `spacing` resamples to a fixed voxel size `spacing_mm` and centre-crops or pads to
+`target_shape`, so a layer is as many voxels thick on every scanner and a 12 mm field shows twice
+the anatomy of a 6 mm one (docs/data.md, "Resampling").
 """
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import numpy as np
 from ingest.dicom import BadInput
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
-CODE_VERSION = "3"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store)
+CODE_VERSION = "4"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store);
+# 4: raster volumes flipped by their frames' traces on the localizer (ingest/geometry.py)
+RESAMPLE_MODES = ("grid", "spacing")
 
 
 @dataclasses.dataclass
@@ -29,14 +36,24 @@ class FlipRule:
 @dataclasses.dataclass
 class PreprocessConfig:
     target_shape: tuple[int, int, int] = (64, 384, 384)   # D, H, W
+    resample: str = "grid"                                 # grid | spacing (module docstring)
+    spacing_mm: tuple[float, float, float] = (0.1, 0.006, 0.02)  # resample: spacing: voxel size D, H, W
     percentiles: tuple[float, float] = (1.0, 99.0)
     window_samples: int = 1_000_000                        # voxels in the strided subsample
     decoder: str = "auto"                                  # auto | gdcm | pylibjpeg | pillow
     max_voxels: int = 512 * 1024 * 1024                    # refuse larger headers before decoding
     accept_any_sop: bool = False                           # test hook: MR files relabelled as OPT
     slab_frames: int = 16                                  # source frames in float32 at once (memory bound)
-    orientation: list[FlipRule] = dataclasses.field(
-        default_factory=lambda: [FlipRule(device="heidelberg_spectralis", match="octa", axes=[0])])
+    # flips for files whose frames carry no trace on the localizer (traced raster volumes are oriented from it)
+    orientation: list[FlipRule] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        from octfm.config import FieldError
+
+        if self.resample not in RESAMPLE_MODES:
+            raise FieldError("resample", f"{self.resample!r} is not one of {list(RESAMPLE_MODES)}")
+        if len(self.spacing_mm) != 3 or min(self.spacing_mm) <= 0:
+            raise FieldError("spacing_mm", f"{list(self.spacing_mm)}: three voxel sizes in mm (D, H, W), each > 0")
 
 
 def subsample_strides(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
@@ -90,11 +107,13 @@ def full_window(pixels: np.ndarray, cfg: PreprocessConfig) -> tuple[float, float
     return quantiles(pixels, cfg.percentiles)
 
 
-def aa_weights(n_in: int, n_out: int) -> np.ndarray:
+def aa_weights(n_in: int, n_out: int, scale: float | None = None) -> np.ndarray:
     """[n_out, n_in] float32 weights of an antialiased linear resize along one axis: the
     triangle filter widened by the scale when shrinking, rows normalised to sum 1; the same
-    weights torch's F.interpolate(mode="bilinear", antialias=True, align_corners=False) uses."""
-    scale = n_in / n_out
+    weights torch's F.interpolate(mode="bilinear", antialias=True, align_corners=False) uses.
+    `scale` (input voxels per output voxel; default n_in / n_out) fixes the output voxel size
+    instead: an output voxel that reads no input then has an all-zero row (padding)."""
+    scale = n_in / n_out if scale is None else scale
     support, inv = (scale, 1.0 / scale) if scale >= 1 else (1.0, 1.0)
     center = scale * (np.arange(n_out) + 0.5)
     x0 = np.maximum((center - support + 0.5).astype(np.int64), 0)        # int(): truncation, as torch
@@ -102,8 +121,39 @@ def aa_weights(n_in: int, n_out: int) -> np.ndarray:
     j = np.arange(n_in)
     weights = np.clip(1.0 - np.abs((j[None, :] - center[:, None] + 0.5) * inv), 0.0, None)
     weights[(j[None, :] < x0[:, None]) | (j[None, :] >= x1[:, None])] = 0.0
-    weights /= weights.sum(axis=1, keepdims=True)
+    sums = weights.sum(axis=1, keepdims=True)
+    weights /= np.where(sums > 0, sums, 1.0)
     return weights.astype(np.float32)
+
+
+@dataclasses.dataclass
+class AxisPlan:
+    """How one axis is resampled: weights [n_kept, n_in], where the kept outputs start in the
+    stored axis, and the voxels padded (+) or cut (-) to reach the stored size."""
+    weights: np.ndarray
+    offset: int = 0
+    crop_pad: int = 0
+    identity: bool = False    # the axis is kept as it is (no product needed)
+
+
+def grid_axis(n_in: int, n_out: int) -> AxisPlan:
+    """`grid`: the whole axis stretched onto n_out voxels."""
+    if n_in == n_out:
+        return AxisPlan(np.eye(n_in, dtype=np.float32), identity=True)
+    return AxisPlan(aa_weights(n_in, n_out))
+
+
+def spacing_axis(n_in: int, spacing_in: float, spacing_out: float, n_out: int) -> AxisPlan:
+    """`spacing`: resampled to voxels of `spacing_out` mm (about n_in * spacing_in / spacing_out of
+    them), then centre-cropped or padded to n_out; only the kept outputs are computed."""
+    scale = spacing_out / spacing_in
+    n_res = max(1, round(n_in / scale))
+    w = aa_weights(n_in, n_res, scale)
+    diff = n_out - n_res
+    if diff < 0:
+        start = -diff // 2
+        return AxisPlan(w[start:start + n_out], 0, diff)
+    return AxisPlan(w, diff // 2, diff)
 
 
 def input_span(weights: np.ndarray) -> tuple[int, int]:
@@ -140,8 +190,10 @@ def frame_blocks(weights: np.ndarray, max_inputs: int) -> list[tuple[int, int, i
 
 
 def rescale_resize(pixels: np.ndarray, lo: float, hi: float, target: tuple[int, int, int],
-                   slab_frames: int = 16) -> np.ndarray:
+                   slab_frames: int = 16, plans: tuple[AxisPlan, AxisPlan, AxisPlan] | None = None) -> np.ndarray:
     """Clip to [lo, hi], map to 0..255 and resample to `target` with antialiasing, as uint8.
+    `plans` (per axis; default: the `grid` stretch onto target) may crop and pad (spacing_axis):
+    padded voxels are 0.
 
     Separable, as matrix products (BLAS): frames first, in blocks whose input frames span at
     most `slab_frames`, converted into one reused float32 buffer (no float copy of the
@@ -149,23 +201,26 @@ def rescale_resize(pixels: np.ndarray, lo: float, hi: float, target: tuple[int, 
     arithmetic); then rows and columns of the few output frames as banded products. Clipping
     is the only non-linear step and comes first, as in reference_resize; the map to 0..255
     folds into the frame weights and, as every weight row sums to 1, the offset `lo` is
-    subtracted once from the small output instead of from every source voxel."""
+    subtracted once from the small output instead of from every source voxel (a padding row,
+    all zeros, comes out at -lo * scale and is clamped to 0)."""
     import torch  # here, not at module top: the driver process never needs it
 
     frames, rows, cols = pixels.shape
-    d, h, w = target
+    pf, pr, pc = plans or (grid_axis(frames, target[0]), grid_axis(rows, target[1]), grid_axis(cols, target[2]))
+    d, h, w = pf.weights.shape[0], pr.weights.shape[0], pc.weights.shape[0]
     scale = 255.0 / (hi - lo)
-    frame_w = aa_weights(frames, d) * np.float32(scale)
+    frame_w = pf.weights * np.float32(scale)
     blocks = frame_blocks(frame_w, slab_frames)
     n_in, n_out = max(b[3] - b[2] for b in blocks), max(b[1] - b[0] for b in blocks)
-    row_bands = bands(aa_weights(rows, h)) if rows != h else None
-    col_bands = bands(aa_weights(cols, w)) if cols != w else None
+    row_bands = None if pr.identity else bands(pr.weights)
+    col_bands = None if pc.identity else bands(pc.weights)
     buf = np.empty((n_in, rows, cols), np.float32)
     x = torch.from_numpy(buf)
     y = torch.empty((n_out, rows, cols))
     t = torch.empty((n_out, h, cols)) if row_bands else y
     z = torch.empty((n_out, h, w)) if col_bands else t
-    out = np.empty((d, h, w), np.uint8)
+    out = np.zeros(tuple(target), np.uint8)
+    rs, cs = slice(pr.offset, pr.offset + h), slice(pc.offset, pc.offset + w)
     for j0, j1, k0, k1 in blocks:
         nk, nj = k1 - k0, j1 - j0
         np.copyto(buf[:nk], pixels[k0:k1], casting="unsafe")  # numpy: `pixels` may be a flipped view
@@ -175,7 +230,7 @@ def rescale_resize(pixels: np.ndarray, lo: float, hi: float, target: tuple[int, 
             torch.matmul(band, y[:nj, i0:i1], out=t[:nj, o0:o1])
         for o0, o1, i0, i1, band in col_bands or ():
             torch.matmul(t[:nj, :, i0:i1], band.T, out=z[:nj, :, o0:o1])
-        out[j0:j1] = z[:nj].sub_(lo * scale).round_().clamp_(0, 255).numpy()
+        out[pf.offset + j0:pf.offset + j1, rs, cs] = z[:nj].sub_(lo * scale).round_().clamp_(0, 255).numpy()
     return out
 
 
@@ -203,9 +258,10 @@ def level_agreement(new: np.ndarray, ref: np.ndarray) -> tuple[float, int]:
     return float((diff <= 1).mean()), int(diff.max())
 
 
-def flip_axes(device: str | None, protocol: str, rules: list[FlipRule]) -> list[int]:
-    """Axes to reverse for this device and protocol under the configured rules."""
-    axes: set[int] = set()
+def flip_axes(device: str | None, protocol: str, rules: list[FlipRule], traced: list[int] = ()) -> list[int]:
+    """Axes to reverse: those the frames' traces give (`traced`, ingest/geometry.py), then the
+    configured rules for this device and protocol (each reverses its axes again)."""
+    axes: set[int] = set(traced)
     text = protocol.lower()
     for rule in rules:
         if rule.device == device and rule.match.lower() in text:
@@ -213,15 +269,41 @@ def flip_axes(device: str | None, protocol: str, rules: list[FlipRule]) -> list[
     return sorted(axes)
 
 
-def preprocess(pixels: np.ndarray, cfg: PreprocessConfig, flip: list[int] = ()) -> tuple[np.ndarray, float, float]:
-    """Decoded volume -> (uint8 volume at cfg.target_shape, lo, hi)."""
+@dataclasses.dataclass
+class Resampled:
+    volume: np.ndarray            # uint8 at target_shape
+    lo: float
+    hi: float
+    spacing_mm: list[float] | None  # the stored voxel size (None: the source had no spacing, `grid` only)
+    crop_pad: list[int] | None      # `spacing`: voxels padded (+) or cut (-) per axis
+
+
+def axis_plans(shape, spacing, cfg: PreprocessConfig) -> tuple[tuple[AxisPlan, ...], list[float] | None, list[int] | None]:
+    """The three axes' plans for this source, the stored voxel size and what was cut or padded."""
+    target = tuple(cfg.target_shape)
+    if cfg.resample == "grid":
+        return (tuple(grid_axis(n, t) for n, t in zip(shape, target)),
+                output_spacing(spacing, shape, target), None)
+    if spacing is None or any(not (s > 0) for s in spacing):  # NaN too
+        raise BadInput(f"no voxel size for axis {[i for i, s in enumerate(spacing or (0, 0, 0)) if not (s > 0)]}: "
+                       "the header gives no spacing there, so it cannot be resampled to spacing_mm "
+                       "(config key preprocess.resample: grid stretches it instead)")
+    plans = tuple(spacing_axis(n, s, o, t) for n, s, o, t in zip(shape, spacing, cfg.spacing_mm, target))
+    return plans, [float(v) for v in cfg.spacing_mm], [p.crop_pad for p in plans]
+
+
+def preprocess(pixels: np.ndarray, cfg: PreprocessConfig, flip: list[int] = (),
+               spacing: tuple | None = None) -> Resampled:
+    """Decoded volume -> the stored uint8 volume at cfg.target_shape, its window and voxel size.
+    `spacing`: the source's voxel size (frame, row, col) in mm."""
     lo, hi = window(pixels, cfg)
     if not hi > lo:
         raise BadInput(f"constant volume: window lo == hi == {lo:g} (no image content to normalise)")
+    plans, out_spacing, crop_pad = axis_plans(pixels.shape, spacing, cfg)
     if flip:  # before resampling (a view): a reversed source then caches exactly like its upright twin
         pixels = np.flip(pixels, axis=tuple(flip))
-    out = rescale_resize(pixels, lo, hi, tuple(cfg.target_shape), cfg.slab_frames)
-    return out, lo, hi
+    out = rescale_resize(pixels, lo, hi, tuple(cfg.target_shape), cfg.slab_frames, plans)
+    return Resampled(out, lo, hi, out_spacing, crop_pad)
 
 
 def output_spacing(native_spacing, native_shape, target_shape) -> list[float] | None:

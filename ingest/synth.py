@@ -1,9 +1,13 @@
 """A synthetic AI-READI-shaped OCT dataset for the demo and the tests.
 
-The retinal phantom's volumes (ingest/phantom.py) written as OPT multi-frame DICOM at each
-scanner's native aspect ratio (scaled down by `scale`), with participants.tsv, manifest.tsv and,
-for the learning-check cohorts, the lesions' answer key. Includes a JPEG 2000 device,
-both spacing layouts, flipped Spectralis OCTA cubes, and the bad files real buckets contain.
+The retinal phantom's volumes (ingest/phantom.py) written as OPT multi-frame DICOM in the release's
+scan protocols (manifests/protocols.py: their shapes scaled down by `scale`, Protocol Name, each
+frame's trace on the localizer, file names as the release spells them), with participants.tsv,
+manifest.tsv and, for the learning-check cohorts, the lesions' answer key. Each participant has
+their device's main raster protocol for both eyes; Spectralis participants also a radial disc scan
+(a scan that is no volume); `protocols="all"` adds every other protocol of the device. Includes a
+JPEG 2000 device, both spacing layouts, the bad files real buckets contain, and the layouts users
+hold: as released, zipped per device, or repacked as one research group packs its bucket.
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ from tqdm import tqdm
 # LESION_EDGE is not used here: check/token_probe.py reads it as synth.LESION_EDGE
 from ingest.phantom import (LESION_COLUMNS, LESION_EDGE, Eye, VolumeDraws, draw_volume, lesion_table,  # noqa: F401
                             render_volume, sample_eye)
+from manifests import protocols
 from manifests.aireadi import SITES, STUDY_GROUPS
+from manifests.protocols import PROTOCOLS, RADIAL, Protocol
 from octfm import cli, procs
 
 OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
@@ -59,11 +65,46 @@ DEVICES = {
     )
 }
 LESION_TABLE = "lesions.tsv"  # at the cohort's root: where every lesion sits (phantom.lesion_table)
+# each device's main raster protocol: every participant has it, both eyes (its shape is the device's above)
+MAIN_PROTOCOL = {
+    "heidelberg_spectralis": "spectralis ppol mac hr oct", "topcon_maestro2": "maestro2 3d macula oct",
+    "topcon_triton": "triton 3d(h)+radial 12x9 oct", "zeiss_cirrus": "cirrus mac cube 512x128 oct",
+}
+RADIAL_PROTOCOL = "spectralis onh rc hr oct"  # every Spectralis participant's right eye: skipped by `make cache`
+LOCALIZER_MM = 0.0115  # mm per pixel of the notional localizer image the frames' traces are drawn on
+LAYOUTS = ("plain", "zipped", "repack")
 
 
-def scaled_shape(device: str, scale: int) -> tuple[int, int, int]:
-    f, r, c = DEVICES[device].shape
+def scaled_shape(device: str, scale: int, protocol: str | None = None) -> tuple[int, int, int]:
+    f, r, c = PROTOCOLS[protocol].shapes[0] if protocol else DEVICES[device].shape
     return max(8, round(f / scale)), max(16, round(r / scale)), max(16, round(c / scale))
+
+
+def native_spacing(spec: DeviceSpec, protocol: Protocol) -> tuple[float, float, float]:
+    """(frame, row, col) spacing at native size: the published field over the frames and columns
+    where there is one, else the device's."""
+    f, _, c = protocol.shapes[0]
+    across, along = protocol.field_mm
+    return (across / f if across else spec.spacing[0], spec.spacing[1], along / c if along else spec.spacing[2])
+
+
+def localizer_traces(protocol: Protocol, frames: int, cols: int, spacing, reverse: bool = False) -> list[list[float]]:
+    """Each frame's trace on a localizer image, as DICOM's Reference Coordinates (row, column pairs):
+    a raster's lines top to bottom (bottom to top when `reverse`: the file's frames then run up),
+    a radial scan's lines through one centre at evenly spread angles."""
+    width = cols * spacing[2] / LOCALIZER_MM
+    centre = 384.0
+    out = []
+    for k in range(frames):
+        if protocol.pattern == RADIAL:
+            angle = np.pi * k / frames
+            dr, dc = width / 2 * np.sin(angle), width / 2 * np.cos(angle)
+            out.append([centre - dr, centre - dc, centre + dr, centre + dc])
+            continue
+        height = (frames - 1) * spacing[0] / LOCALIZER_MM
+        row = centre - height / 2 + height * ((frames - 1 - k) if reverse else k) / max(frames - 1, 1)
+        out.append([row, centre - width / 2, row, centre + width / 2])
+    return [[round(v, 3) for v in t] for t in out]
 
 
 def _functional_group(spacing: tuple[float, float, float]) -> Dataset:
@@ -83,9 +124,18 @@ def tsv_spacing(spec: DeviceSpec) -> dict[str, str]:
             "slice_thickness": "Not reported" if spec.compress else f"{f:g}"}
 
 
+def _frame_location(trace: list[float]) -> Dataset:
+    loc = Dataset()
+    loc.ReferenceCoordinates = trace
+    loc.OphthalmicImageOrientation = "LINEAR"
+    return loc
+
+
 def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float, float], *,
-                 participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str) -> Dataset:
-    """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed."""
+                 participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str,
+                 protocol_name: str | None = None, traces: list[list[float]] | None = None) -> Dataset:
+    """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed; with
+    Protocol Name and each frame's Ophthalmic Frame Location when given."""
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = OPT_SOP_CLASS
     meta.MediaStorageSOPInstanceUID = sop_uid
@@ -104,10 +154,15 @@ def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float,
     ds.NumberOfFrames = vol.shape[0]
     ds.Rows, ds.Columns = vol.shape[1], vol.shape[2]
     ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
-    if spec.per_frame_spacing:
-        ds.PerFrameFunctionalGroupsSequence = DicomSequence([_functional_group(spacing) for _ in range(vol.shape[0])])
-    else:
+    if protocol_name:
+        ds.ProtocolName = protocol_name
+    per_frame = [_functional_group(spacing) if spec.per_frame_spacing else Dataset() for _ in range(vol.shape[0])]
+    if not spec.per_frame_spacing:
         ds.SharedFunctionalGroupsSequence = DicomSequence([_functional_group(spacing)])
+    for group, trace in zip(per_frame, traces or ()):
+        group.OphthalmicFrameLocationSequence = DicomSequence([_frame_location(trace)])
+    if spec.per_frame_spacing or traces:
+        ds.PerFrameFunctionalGroupsSequence = DicomSequence(per_frame)
     ds.PixelData = np.ascontiguousarray(vol).tobytes()
     return ds
 
@@ -136,7 +191,16 @@ class SynthConfig:
     id_column: str = "participant_id"  # or person_id (release 3)
     unlabeled: int = 1           # participants with an empty study_group
     zipped: bool = False         # DICOMs in per-device ZIP archives (zip_layout) instead of plain files
+    layout: str = "plain"        # plain | zipped | repack (repack_layout: one group's bucket); zipped=True: zipped
+    protocols: str = "main"      # main: each device's main raster protocol (+ the Spectralis radial scan); all: every one
+    reversed: tuple[str, ...] = ()  # protocols whose frames are written bottom to top (their traces say so)
     placeholders: bool = False   # tables and empty files only (no pixels): load tests of listing and manifest
+
+    def __post_init__(self):
+        if self.zipped:
+            self.layout = "zipped"
+        if self.layout not in LAYOUTS or self.protocols not in ("main", "all"):
+            raise ValueError(f"layout {self.layout!r} not in {LAYOUTS}, or protocols {self.protocols!r} not main/all")
 
 
 META_STREAM = 0x1D5  # the participant table's own random stream (IDs, ages)
@@ -180,17 +244,20 @@ class VolumeJob:
     label: int | None
     signal: float
     eye: Eye | None
-    flip: bool
+    reverse: bool             # frames written bottom to top, the traces saying so
     uid: str
     study_uid: str
+    protocol: Protocol
 
     def dataset(self) -> Dataset:
         vol = render_volume(self.shape, self.draws, self.laterality, self.label, self.signal, self.eye)
-        if self.flip:  # Spectralis OCTA structural cubes come frame-reversed (AI-READI docs)
+        if self.reverse:
             vol = vol[::-1].copy()
+        traces = localizer_traces(self.protocol, self.shape[0], self.shape[2], self.spacing, self.reverse)
         return make_dataset(vol, self.spec, self.spacing, participant=self.pid, laterality=self.laterality,
                             sop_uid=self.uid, study_uid=self.study_uid,
-                            series_uid=generate_uid(entropy_srcs=[self.uid, "series"]))
+                            series_uid=generate_uid(entropy_srcs=[self.uid, "series"]),
+                            protocol_name=self.protocol.header_name, traces=traces)
 
 
 def _write_job(job: VolumeJob, path: Path, compress: str | None) -> None:
@@ -259,13 +326,13 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
     rng = np.random.default_rng(cfg.seed)
     people = _participants(cfg)
     people.to_csv(out / "participants.tsv", sep="\t", index=False)
-    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "octa": 0}
+    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "radial": 0, "protocols": collections.Counter()}
     lesion_rows: list[dict] = []
     device_names = list(DEVICES)
     study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
 
     def add_file(pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
-                 imaging: str = "OCT") -> str:
+                 protocol: Protocol) -> str:
         rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
         if data is not None:
             path = out / rel
@@ -273,30 +340,30 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
             path.write_bytes(data)
         rows.append({
             "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
-            "anatomic_region": "macula", "imaging": imaging, "laterality": lat.lower(),
+            "anatomic_region": protocol.region, "imaging": "OCT", "laterality": lat.upper(),
             "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
             **tsv_spacing(spec), "sop_instance_uid": sop_uid,
             "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
         })
         return rel
 
-    def volume_job(pid, spec, lat, label, imaging="OCT", flip=False, vol_rng=None):
+    def volume_job(pid, spec, lat, label, protocol: Protocol, vol_rng=None, uid_tag="OCT"):
         """The volume's job (None with placeholders), its shape and SOP Instance UID; draws its
         random numbers now, in the stream's order."""
-        shape = scaled_shape(spec.name, cfg.scale)
-        f, r, c = spec.shape
-        spacing = tuple(s * n / m for s, n, m in zip(spec.spacing, (f, r, c), shape))
-        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{imaging}"])
+        shape = scaled_shape(spec.name, cfg.scale, protocol.name)
+        native = protocol.shapes[0]
+        spacing = tuple(s * n / m for s, n, m in zip(native_spacing(spec, protocol), native, shape))
+        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{uid_tag}"])
         if cfg.placeholders:
             return None, shape, uid
         r = vol_rng or rng
         eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
-        job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye, flip, uid,
-                        study_uid)
+        job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye,
+                        protocol.name in cfg.reversed, uid, study_uid, protocol)
         return job, shape, uid
 
     def volume_dataset(pid, spec, lat, label):
-        job, shape, uid = volume_job(pid, spec, lat, label)
+        job, shape, uid = volume_job(pid, spec, lat, label, PROTOCOLS[MAIN_PROTOCOL[spec.name]])
         return job.dataset(), shape, uid
 
     with _Writer(default_workers(cfg) if workers is None else workers) as writer:
@@ -308,20 +375,18 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
             # a Latin square: over 16 participants each (device, label) pair occurs once, so the
             # device says nothing about the label (a probe must not score by recognising scanners)
             spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
-            volumes = [("R", "OCT", None), ("L", "OCT", None)]
-            if spec.name == "heidelberg_spectralis":
-                volumes.append(("R", "OCTA", np.random.default_rng(cfg.seed * 1000 + i)))
-            for lat, imaging, vol_rng in volumes:
-                octa = imaging == "OCTA"
-                job, shape, uid = volume_job(pid, spec, lat, label, imaging, flip=octa, vol_rng=vol_rng)
-                name = f"{pid}_{spec.short}_mac_{imaging.lower()}_{lat.lower()}_{uid}.dcm"
-                rel = add_file(pid, spec, lat, name, b"" if job is None else None, shape, uid, imaging)
+            for protocol, lat, vol_rng, uid_tag in _scans(cfg, spec, i):
+                job, shape, uid = volume_job(pid, spec, lat, label, protocol, vol_rng, uid_tag)
+                name = f"{pid}_{protocol.file_id}_{lat.lower()}_{uid}.dcm"
+                rel = add_file(pid, spec, lat, name, b"" if job is None else None, shape, uid, protocol)
                 if job is not None:
-                    writer.submit(job, out / rel, None if octa else spec.compress)
-                    lesion_rows += [{"participant_id": pid, "filepath": "/" + rel, **les} for les in
-                                    lesion_table(job.draws, lat, label, cfg.signal, job.eye)]
+                    writer.submit(job, out / rel, compression(spec, protocol, shape))
+                    if protocol.pattern != RADIAL:  # the lesions' answer key covers the volumes
+                        lesion_rows += [{"participant_id": pid, "filepath": "/" + rel, **les} for les in
+                                        lesion_table(job.draws, lat, label, cfg.signal, job.eye)]
                 counts["good"] += 1
-                counts["octa"] += octa
+                counts["radial"] += protocol.pattern == RADIAL
+                counts["protocols"][protocol.name] += 1
 
     if cfg.bad_files:
         _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
@@ -330,9 +395,33 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
         pd.DataFrame(lesion_rows, columns=["participant_id", "filepath", *LESION_COLUMNS]).to_csv(
             out / LESION_TABLE, sep="\t", index=False)
         counts["lesions"] = len(lesion_rows)
-    if cfg.zipped:
+    if cfg.layout == "zipped":
         counts["archives"] = zip_layout(out)
+    elif cfg.layout == "repack":
+        counts["archives"] = repack_layout(out)
     return counts
+
+
+def compression(spec: DeviceSpec, protocol: Protocol, shape) -> str | None:
+    """The device's transfer syntax for its volumes; uncompressed for the radial scan and for frames
+    under 32 pixels a side (OpenJPEG refuses its default six resolutions on those)."""
+    return spec.compress if protocol.pattern != RADIAL and min(shape[1:]) >= 32 else None
+
+
+def _scans(cfg: SynthConfig, spec: DeviceSpec, i: int):
+    """(protocol, eye, random stream, UID tag) of each scan of participant i: the main protocol's
+    eyes from the cohort's stream (so its volumes stay as they were), every other scan from a
+    stream of its own."""
+    main = PROTOCOLS[MAIN_PROTOCOL[spec.name]]
+    yield main, "R", None, "OCT"
+    yield main, "L", None, "OCT"
+    if spec.name == "heidelberg_spectralis":
+        yield PROTOCOLS[RADIAL_PROTOCOL], "R", np.random.default_rng(cfg.seed * 1000 + i), "OCTA"
+    if cfg.protocols == "all":
+        others = [p for p in PROTOCOLS.values() if p.device == spec.name and p.name not in (main.name, RADIAL_PROTOCOL)]
+        for k, protocol in enumerate(others):
+            for e, lat in enumerate(("R", "L")):
+                yield protocol, lat, np.random.default_rng([cfg.seed, i, k, e, 0x9A7]), protocol.name
 
 
 ZIP_DATE = (2023, 5, 1, 12, 0, 0)  # fixed member timestamps: the same tree gives the same archives
@@ -363,21 +452,48 @@ def zip_layout(root: str | Path, parts: int = 2) -> int:
     return n
 
 
+def repack_layout(root: str | Path) -> int:
+    """Turn a plain tree into the layout one research group keeps its bucket in: manifest.tsv beside
+    participants.tsv at the root, and one ZIP per device at <root>/<device>/<device>.zip whose members
+    are <participant>/<file> (the manifest's filepath keeps the release's form, so no row is at its
+    path: `make manifest` finds them by file name). One device's members are written `./<participant>/...`,
+    as some archivers name them. Returns the number of archives written."""
+    root = Path(root)
+    oct_root = root / "retinal_oct" / "structural_oct"
+    n = 0
+    for k, dev in enumerate(sorted(p for p in oct_root.iterdir() if p.is_dir())):
+        (root / dev.name).mkdir()
+        prefix = "./" if k == 0 else ""
+        with zipfile.ZipFile(root / dev.name / f"{dev.name}.zip", "w") as zf:
+            for f in sorted(dev.rglob("*.dcm")):
+                info = zipfile.ZipInfo(f"{prefix}{f.parent.name}/{f.name}", date_time=ZIP_DATE)
+                info.compress_type = zipfile.ZIP_STORED
+                zf.writestr(info, f.read_bytes())
+        n += 1
+    (root / "retinal_oct" / "manifest.tsv").rename(root / "manifest.tsv")
+    shutil.rmtree(root / "retinal_oct")
+    return n
+
+
 def _add_bad_files(pid: str, add_file, volume_dataset, counts: dict) -> None:
     """The failure modes real buckets show, each listed in manifest.tsv."""
     spec = DEVICES["topcon_triton"]
+    protocol = PROTOCOLS[MAIN_PROTOCOL[spec.name]]
     ds, shape, uid = volume_dataset(pid, spec, "R", 0)
     good = dicom_bytes(ds)
-    add_file(pid, spec, "R", f"{pid}_triton_bad_truncated.dcm", good[: int(len(good) * 0.6)], shape, uid + ".1")
+
+    def bad(kind: str, data: bytes | None, k: int) -> None:
+        add_file(pid, spec, "R", f"{pid}_triton_bad_{kind}.dcm", data, shape, f"{uid}.{k}", protocol)
+
+    bad("truncated", good[: int(len(good) * 0.6)], 1)
     nopix = copy.deepcopy(ds)
     del nopix.PixelData
-    add_file(pid, spec, "R", f"{pid}_triton_bad_nopixels.dcm", dicom_bytes(nopix), shape, uid + ".2")
+    bad("nopixels", dicom_bytes(nopix), 2)
     mismatch = copy.deepcopy(ds)
     mismatch.NumberOfFrames = shape[0] + 3
-    add_file(pid, spec, "R", f"{pid}_triton_bad_frames.dcm", dicom_bytes(mismatch), shape, uid + ".3")
-    add_file(pid, spec, "R", f"{pid}_triton_bad_notdicom.dcm", b"this is a text file, not DICOM\n" * 20,
-             shape, uid + ".4")
-    add_file(pid, spec, "R", f"{pid}_triton_bad_missing.dcm", None, shape, uid + ".5")
+    bad("frames", dicom_bytes(mismatch), 3)
+    bad("notdicom", b"this is a text file, not DICOM\n" * 20, 4)
+    bad("missing", None, 5)
     counts["bad"] += 4
     counts["missing"] += 1
 
@@ -401,20 +517,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-bad-files", action="store_true")
     ap.add_argument("--no-split-column", action="store_true")
     ap.add_argument("--person-id", action="store_true", help="name the ID column person_id (release 3)")
-    ap.add_argument("--zipped", action="store_true",
-                    help="DICOMs in per-device ZIP archives (<device>/part1.zip, members <participant>/<file>)")
+    ap.add_argument("--zipped", action="store_true", help="--layout zipped")
+    ap.add_argument("--layout", choices=LAYOUTS, default="plain",
+                    help="plain: as released; zipped: per-device ZIP archives in the device folders (<device>/part1.zip, "
+                         "members <participant>/<file>); repack: tables at the root, <root>/<device>/<device>.zip")
+    ap.add_argument("--protocols", choices=("main", "all"), default="main",
+                    help="main: each device's main raster protocol, both eyes, and a radial disc scan per Spectralis "
+                         "participant; all: every protocol of the release on each participant's device")
     a = ap.parse_args(argv)
     if a.scale < 1 or a.participants < 1:
         raise cli.UsageError("--scale and --participants must be >= 1")
     cfg = SynthConfig(participants=a.participants, scale=a.scale, seed=a.seed, signal=a.signal, lesions=a.lesions,
                       lesion_size=a.lesion_size, layers=a.layers, unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
-                      id_column="person_id" if a.person_id else "participant_id", zipped=a.zipped)
+                      id_column="person_id" if a.person_id else "participant_id",
+                      layout="zipped" if a.zipped else a.layout, protocols=a.protocols)
     counts = generate(a.out, cfg, progress=True)
     n_bytes = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
-    layout = f"; in {counts['archives']} ZIP archives" if a.zipped else ""
-    print(f"synth: wrote {a.out}: {counts['good']} good volumes ({counts['octa']} Spectralis OCTA, frame-reversed), "
-          f"{counts['bad']} bad files, {counts['missing']} listed but missing{layout}; {n_bytes / 1e6:.1f} MB")
+    layout = f"; {cfg.layout} layout, {counts['archives']} ZIP archives" if cfg.layout != "plain" else ""
+    print(f"synth: wrote {a.out}: {counts['good']} good files in {len(counts['protocols'])} protocols "
+          f"({counts['radial']} radial scans), {counts['bad']} bad files, {counts['missing']} listed but missing"
+          f"{layout}; {n_bytes / 1e6:.1f} MB")
     return 0
 
 

@@ -1,11 +1,16 @@
 """`make manifest`: AI-READI tables + one listing of the dataset -> sources.parquet.
 
-One row per DICOM: every manifest.tsv row (present or not) and every .dcm found under
-retinal_oct/ that manifest.tsv does not list. Labels and splits are joined by participant.
+One row per DICOM: every manifest.tsv row (present or not) and every unlisted .dcm found beside
+the listed ones. Labels and splits are joined by participant. The dataset may be laid out as
+released or as a group repacked it (docs/data.md, "Layouts"): the tables are looked for at the
+root and in retinal_oct/, and a row finds its file at its own path first, else by its file name
+(which carries the SOP Instance UID, unique in the release) anywhere under the root, ZIP archives
+included.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import posixpath
 import time
 from collections import Counter
@@ -13,15 +18,36 @@ from typing import Sequence
 
 import pandas as pd
 
-from manifests import aireadi, layout, schema, splits
+from manifests import aireadi, layout, protocols, schema, splits
 from manifests.layout import OCT_DIR
 from octfm import archives, cli, fsio
 from octfm.errors import DataError
 
+PARTICIPANTS = "participants.tsv"
+OCT_MANIFEST = "manifest.tsv"
+# where the tables are looked for, in order (relative to the dataset root)
+PARTICIPANTS_AT = (PARTICIPANTS, f"{OCT_DIR}/{PARTICIPANTS}")
+OCT_MANIFEST_AT = (f"{OCT_DIR}/{OCT_MANIFEST}", OCT_MANIFEST)
+
+
+def table_uri(root: str, given: str | None, candidates: tuple[str, ...], what: str, variable: str) -> str:
+    """Where one of the two tables is: `given` (a URI or absolute path, else relative to the
+    root), or the first candidate that exists. DataError naming every place tried."""
+    if given:
+        uri = given if ("://" in given or given.startswith("/")) else fsio.join(root, given)
+        if not fsio.exists(uri):
+            raise DataError(f"{variable}={given}: {uri} not found")
+        return uri
+    tried = [fsio.join(root, c) for c in candidates]
+    for uri in tried:
+        if fsio.exists(uri):
+            return uri
+    raise DataError(f"SOURCE={root}: {what} not found at {' or '.join(tried)} (is SOURCE the dataset root? "
+                    f"{variable}=<path> names it)")
 
 
 def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
-    """One recursive listing of <root>/retinal_oct, ZIP archives opened in place.
+    """One recursive listing of the whole dataset root, ZIP archives at any depth opened in place.
 
     Returns relpath -> {size, version, source, archive, error} for plain files and archive
     members alike (octfm/archives.py maps a member to the path it stands for), and
@@ -29,8 +55,7 @@ def list_dataset(root: str) -> tuple[dict[str, dict], dict[str, dict]]:
     """
     out: dict[str, dict] = {}
     zips: list[str] = []
-    for sub, info in fsio.list_tree(fsio.join(root, OCT_DIR)).items():
-        rel = f"{OCT_DIR}/{sub}"
+    for rel, info in fsio.list_tree(root).items():
         if archives.is_archive(rel):
             zips.append(rel)
             continue
@@ -52,6 +77,47 @@ def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str,
             listing[m.relpath] = {"size": m.size, "version": m.version, "source": m.uri, "archive": rel,
                                   "error": m.error}
     return report
+
+
+def container(rel: str, info: dict) -> str:
+    """What holds a file, for telling the OCT data from the rest of a bucket: its archive, else
+    the folder above its participant folder (<device>/<participant>/<file>)."""
+    return info["archive"] or posixpath.dirname(posixpath.dirname(rel))
+
+
+class Matcher:
+    """A manifest row's file: at its own path first, else the one file of that name anywhere in
+    the listing (AI-READI names carry the SOP Instance UID). Each file serves one row."""
+
+    def __init__(self, listing: dict[str, dict]):
+        self.listing = listing
+        self.by_name: dict[str, list[str]] = {}
+        for rel in sorted(listing):
+            self.by_name.setdefault(posixpath.basename(rel), []).append(rel)
+        self.claimed: dict[str, str] = {}   # listing relpath -> the manifest relpath it serves
+
+    def claim_paths(self, rels) -> None:
+        """First pass: every row whose file sits at its own path keeps it."""
+        for rel in rels:
+            if rel in self.listing:
+                self.claimed.setdefault(rel, rel)
+
+    def find(self, rel: str) -> tuple[str | None, str | None, str | None]:
+        """(where the file is in the listing, "path" or "name", why not found)."""
+        if self.claimed.get(rel) == rel:
+            return rel, "path", None
+        name = posixpath.basename(rel)
+        cands = self.by_name.get(name, [])
+        free = [c for c in cands if c not in self.claimed]
+        if len(cands) > 1:
+            return None, None, (f"ambiguous: {len(cands)} files are named {name}: " + ", ".join(cands[:3]) +
+                                (" ..." if len(cands) > 3 else ""))
+        if free:
+            self.claimed[free[0]] = rel
+            return free[0], "name", None
+        if cands:
+            return None, None, f"duplicate: the one file named {name} ({cands[0]}) serves row {self.claimed[cands[0]]}"
+        return None, None, None
 
 
 def _absent_reason(rel: str, zips: dict[str, dict]) -> str:
@@ -76,12 +142,12 @@ def _int_or_none(v: str):
         return None
 
 
-def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
-    """The source rows and a summary dict (counts and warnings) for the dataset at `root`."""
-    p_uri, m_uri = fsio.join(root, "participants.tsv"), fsio.join(root, OCT_DIR, "manifest.tsv")
-    for uri in (p_uri, m_uri):
-        if not fsio.exists(uri):
-            raise DataError(f"SOURCE={root}: {uri} not found (is SOURCE the dataset root?)")
+def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
+                  participants_tsv: str | None = None) -> tuple[list[dict], dict]:
+    """The source rows and a summary dict (counts and warnings) for the dataset at `root`.
+    `oct_manifest` and `participants_tsv` name the tables where they are not in a usual place."""
+    p_uri = table_uri(root, participants_tsv, PARTICIPANTS_AT, PARTICIPANTS, "PARTICIPANTS")
+    m_uri = table_uri(root, oct_manifest, OCT_MANIFEST_AT, f"the OCT {OCT_MANIFEST}", "OCT_MANIFEST")
     participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
     participants, n_resplit = splits.fill_splits(participants, seed=seed)
     oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
@@ -93,11 +159,12 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     seen: set[str] = set()
     unknown_participants: set[str] = set()
 
-    def base_row(pid: str, rel: str | None, raw_path: str) -> dict:
+    def base_row(pid: str, rel: str | None, raw_path: str, found: str | None) -> dict:
         info = people.loc[pid] if pid in people.index else None
         if info is None and pid:
             unknown_participants.add(pid)
         label = None if info is None or pd.isna(info["label"]) else int(info["label"])
+        where = found or rel
         return {
             "participant_id": pid or None,
             "clinical_site": None if info is None else (_clean(info.get("clinical_site")) or None),
@@ -107,17 +174,28 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
             "age": None if info is None else _int_or_none(_clean(info.get("age"))),
             "study_visit_date": None if info is None else (_clean(info.get("study_visit_date")) or None),
             "relpath": rel if rel is not None else raw_path,
-            "source": (listing[rel]["source"] if rel in listing else fsio.join(root, rel)) if rel is not None else None,
+            "source": (listing[where]["source"] if where in listing else fsio.join(root, rel)) if rel is not None else None,
         }
 
+    parsed = []
     for r in oct_rows.to_dict("records"):
-        pid = r["participant_id"]
         try:
-            rel = fsio.safe_relpath(r["filepath"], required_prefix=OCT_DIR)
-            error = None
+            parsed.append((r, fsio.safe_relpath(r["filepath"], required_prefix=OCT_DIR), None))
         except fsio.PathEscapeError as exc:
-            rel, error = None, f"bad path in manifest.tsv: {exc}"
-        row = base_row(pid, rel, r["filepath"])
+            parsed.append((r, None, f"bad path in manifest.tsv: {exc}"))
+    matcher = Matcher(listing)
+    matcher.claim_paths(rel for _, rel, _ in parsed if rel is not None)
+    for r, rel, error in parsed:
+        pid = r["participant_id"]
+        found, how = None, None
+        if rel is not None:
+            if rel in seen:
+                error = "duplicate: manifest.tsv lists this file more than once"
+            seen.add(rel)
+            if error is None:
+                found, how, why = matcher.find(rel)
+                error = listing[found]["error"] if found else (why or _absent_reason(rel, zips))
+        row = base_row(pid, rel, r["filepath"], found)
         row.update({
             "device": aireadi.device_from_path(rel or "", r["manufacturer"], r["manufacturers_model_name"]),
             "manufacturer": r["manufacturer"] or None,
@@ -129,39 +207,27 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
             "pixel_spacing": r["pixel_spacing"] or None,
             "slice_thickness": r["slice_thickness"] or None,
             "reference_filepath": r["reference_filepath"] or None,
-            "listed": True,
+            "listed": True, "found_by": how,
             "tsv_shape": [_int_or_none(r["number_of_frames"]), _int_or_none(r["height"]), _int_or_none(r["width"])],
         })
         if None in row["tsv_shape"]:
             row["tsv_shape"] = None
-        if rel is not None:
-            if rel in seen:
-                error = "duplicate: manifest.tsv lists this file more than once"
-            seen.add(rel)
-            if error is None and rel not in listing:
-                error = _absent_reason(rel, zips)
-            elif error is None:
-                error = listing[rel]["error"]
+        _add_protocol(row, posixpath.basename(rel or ""))
         if error is None and row["device"] is None:
             error = "unknown device: neither the path nor manufacturer/model name a known scanner"
-        _attach_listing(row, rel, listing, mirror)
+        _attach_listing(row, found, listing, mirror)
         row["manifest_error"] = error
         rows.append(row)
 
+    oct_containers = {container(f, listing[f]) for f in matcher.claimed}
+    ignored = []
     for rel in sorted(listing):
-        if rel in seen or not rel.lower().endswith(".dcm"):
+        if rel in matcher.claimed or not rel.lower().endswith(".dcm"):
             continue
-        parts = rel.split("/")
-        device = aireadi.device_from_path(rel)
-        pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
-        if "::" in rel:  # an archive member whose name is unsafe: its folders mean nothing
-            pid = None
-        row = base_row(pid or "", rel, rel)
-        row.update({"device": device, "listed": False, "laterality": None})
-        _attach_listing(row, rel, listing, mirror)
-        row["manifest_error"] = listing[rel]["error"] or (None if device else
-                                                          "unknown device: file not under a known scanner folder")
-        rows.append(row)
+        if not (rel.startswith(OCT_DIR + "/") or container(rel, listing[rel]) in oct_containers):
+            ignored.append(rel)  # another modality's DICOM (retinal_photography/, retinal_octa/, ...)
+            continue
+        rows.append(_unlisted_row(rel, listing, mirror, base_row))
 
     by_rel = {r["relpath"]: r for r in rows}
     for rel, first in layout.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
@@ -172,23 +238,61 @@ def build_sources(root: str, seed: int = 0) -> tuple[list[dict], dict]:
     leaks = splits.split_leaks(pd.DataFrame(rows))
     if leaks:  # cannot happen by construction; guard the invariant anyway
         raise RuntimeError(f"participants in two splits: {leaks[:10]}")
+    found_by = Counter(r["found_by"] for r in rows if r["listed"])
     summary = {
         "participants": len(participants), "resplit": n_resplit, "rows": len(rows),
         "unlisted": sum(not r["listed"] for r in rows),
         "row_errors": Counter(cli.reason(r["manifest_error"]) for r in rows if r["manifest_error"]),
         "devices": Counter(r["device"] for r in rows), "splits": Counter(r["split"] for r in rows),
         "mirror_hashes": sum(bool(r["expected_sha1"] or r["expected_md5"]) for r in rows),
-        "warnings": warnings, "archives": _archive_summary(zips, listing, rows),
+        "warnings": warnings, "archives": _archive_summary(zips, listing, rows, set(matcher.claimed)),
+        "tables": {"participants": p_uri, "oct_manifest": m_uri},
+        "layout": _layout_name(found_by), "by_path": found_by["path"], "by_name": found_by["name"],
+        "not_found": found_by[None], "ignored": ignored,
     }
     return rows, summary
 
 
-def _archive_summary(zips: dict, listing: dict, rows: list[dict]) -> dict | None:
-    """How archive members and manifest.tsv rows matched up (None when there are no archives)."""
+def _layout_name(found_by: Counter) -> str:
+    if found_by["name"] and not found_by["path"]:
+        return "repacked (files found by name)"
+    if found_by["name"]:
+        return "mixed (files found by path and by name)"
+    return "as released (files at their manifest paths)"
+
+
+def _add_protocol(row: dict, file_name: str) -> None:
+    """protocol, scan_pattern and field_mm as the file name and the published table give them;
+    `make cache` checks them against the header."""
+    protocol = protocols.from_file_name(file_name)
+    row["protocol"] = protocol
+    row["scan_pattern"] = protocols.published_pattern(protocol)
+    row["field_mm"] = protocols.published_field(protocol)
+
+
+def _unlisted_row(rel: str, listing: dict, mirror: dict, base_row) -> dict:
+    """A .dcm beside the listed ones that manifest.tsv does not list: kept (listed=False), its
+    participant from the folder below the device's."""
+    parts = rel.split("/")
+    device = aireadi.device_from_path(rel)
+    pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
+    if "::" in rel:  # an archive member whose name is unsafe: its folders mean nothing
+        pid = None
+    row = base_row(pid or "", rel, rel, rel)
+    row.update({"device": device, "listed": False, "laterality": None, "found_by": None})
+    _add_protocol(row, posixpath.basename(rel))
+    _attach_listing(row, rel, listing, mirror)
+    row["manifest_error"] = listing[rel]["error"] or (None if device else
+                                                      "unknown device: file not under a known scanner folder")
+    return row
+
+
+def _archive_summary(zips: dict, listing: dict, rows: list[dict], listed: set[str]) -> dict | None:
+    """How archive members and manifest.tsv rows matched up (None when there are no archives);
+    `listed`: the listing paths that serve a manifest.tsv row."""
     if not zips:
         return None
     in_zip = {rel for rel, info in listing.items() if info["archive"]}
-    listed = {r["relpath"] for r in rows if r["listed"]}
     return {
         "archives": len(zips), "unreadable": sorted(z for z, i in zips.items() if i["error"]),
         "members": sum(i["members"] for i in zips.values()),
@@ -196,7 +300,7 @@ def _archive_summary(zips: dict, listing: dict, rows: list[dict]) -> dict | None
         "unlisted_dcm": sum(1 for rel in in_zip - listed if rel.lower().endswith(".dcm")),
         "other": sorted(rel for rel in in_zip - listed if not rel.lower().endswith(".dcm")),
         "duplicates": sorted(d for i in zips.values() for d in i["duplicates"]),
-        "rows_without_file": sum(1 for r in rows if r["listed"] and r["relpath"] not in listing),
+        "rows_without_file": sum(1 for r in rows if r["listed"] and not r["found_by"]),
     }
 
 
@@ -209,12 +313,30 @@ def _attach_listing(row: dict, rel: str | None, listing: dict, mirror: dict) -> 
     row["expected_md5"] = rec.get("md5") or None
 
 
-def write_sources(rows: list[dict], out: str) -> None:
-    fsio.write_parquet_atomic(schema.to_table(rows, schema.SOURCES_SCHEMA), out)
+def sources_options(root: str, seed: int = 0, oct_manifest: str | None = None,
+                    participants_tsv: str | None = None) -> dict:
+    """build_sources' arguments, as sources.parquet records them."""
+    return {"root": root.rstrip("/"), "seed": seed, "oct_manifest": oct_manifest, "participants_tsv": participants_tsv}
+
+
+def write_sources(rows: list[dict], out: str, options: dict | None = None) -> None:
+    """sources.parquet; `options` (the root, the tables' places, the split seed) ride in its
+    metadata, so `make cache` lists the same dataset the same way (layout.read_sources)."""
+    table = schema.to_table(rows, schema.SOURCES_SCHEMA)
+    if options:
+        table = table.replace_schema_metadata({**table.schema.metadata, layout.SOURCES_OPTIONS: json.dumps(options)})
+    fsio.write_parquet_atomic(table, out)
 
 
 def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
     print(f"manifest: read {root}, wrote {out} ({summary['rows']} rows, {summary['participants']} participants, {seconds:.1f}s)")
+    t = summary["tables"]
+    print(f"layout: {summary['layout']}; participants.tsv: {t['participants']}; manifest.tsv: {t['oct_manifest']}")
+    print(f"manifest.tsv rows: {summary['by_path']} found at their path, {summary['by_name']} found by file name, "
+          f"{summary['not_found']} not found")
+    if summary["ignored"]:
+        print(f"note: {len(summary['ignored'])} .dcm file(s) outside the OCT data ignored (another modality?), e.g. "
+              + ", ".join(summary["ignored"][:3]))
     print(cli.format_table(["device", "files"], sorted(((k or "unknown"), v) for k, v in summary["devices"].items())))
     print("splits: " + ", ".join(f"{k}={v}" for k, v in sorted((str(k), v) for k, v in summary["splits"].items())))
     if summary["resplit"]:
@@ -240,17 +362,62 @@ def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
         print(f"warning: {w}")
 
 
+def preview(rows: list[dict], cfg) -> dict:
+    """What `make cache` under `cfg` (a CacheConfig) will hold, before any file is read: per device and
+    protocol the files it will cache, those the header decides (pattern not known by name), and those
+    skipped; the bytes to read and to store (uint8 at the target shape, before compression)."""
+    per: dict = {}
+    read_bytes = 0
+    for r in rows:
+        if r["manifest_error"]:
+            continue
+        c = per.setdefault((r["device"] or "unknown", r["protocol"] or "unknown"), Counter())
+        if cfg.select.skip_reason(r, final=False):
+            c["skipped"] += 1
+            continue
+        c["cache" if r["scan_pattern"] else "header decides"] += 1
+        read_bytes += r["size"] or 0
+    volumes = sum(c["cache"] + c["header decides"] for c in per.values())
+    voxels = cfg.preprocess.target_shape[0] * cfg.preprocess.target_shape[1] * cfg.preprocess.target_shape[2]
+    return {"per": per, "volumes": volumes, "read_bytes": read_bytes, "stored_bytes": volumes * voxels,
+            "skipped": sum(c["skipped"] for c in per.values()), "target_shape": list(cfg.preprocess.target_shape),
+            "resample": cfg.preprocess.resample}
+
+
+def print_preview(p: dict, config_path: str) -> None:
+    kinds = ("cache", "header decides", "skipped")
+    print(f"make cache ({config_path}, resample: {p['resample']}) will hold:")
+    print(cli.format_table(["device", "protocol", *kinds],
+                           [(d, pr, *(c[k] for k in kinds)) for (d, pr), c in sorted(p["per"].items())]))
+    print(f"cache: up to {p['volumes']} volumes at {'x'.join(map(str, p['target_shape']))}: "
+          f"{p['stored_bytes'] / 1e9:.2f} GB as uint8 before compression; {p['read_bytes'] / 1e9:.2f} GB to read "
+          f"from the bucket; {p['skipped']} files skipped by select (configs/cache.yaml)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="make manifest", description=__doc__)
     ap.add_argument("--source", required=True, help="dataset root (local folder or gs://bucket/path)")
     ap.add_argument("--out", required=True, help="where to write sources.parquet")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fallback split")
+    ap.add_argument("--oct-manifest", default=None, help="the OCT manifest.tsv when it is not at <root>/retinal_oct/ "
+                    "or <root>/ (make OCT_MANIFEST=...; a URI, an absolute path, or a path under the root)")
+    ap.add_argument("--participants", default=None, help="participants.tsv when it is not at <root>/ or "
+                    "<root>/retinal_oct/ (make PARTICIPANTS=...)")
+    ap.add_argument("--config", default="configs/cache.yaml", help="the cache config whose `select` and target shape "
+                    "the summary previews (make CONFIG=...)")
     ap.add_argument("--strict", action="store_true", help="exit 3 when any row cannot be cached")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of that config (as make cache's ARGS)")
     args = ap.parse_args(argv)
+    from cache.config import CacheConfig
+    from octfm import config
+
+    cfg = config.load(CacheConfig, args.config, args.overrides)
     t0 = time.perf_counter()
-    rows, summary = build_sources(args.source, seed=args.seed)
-    write_sources(rows, args.out)
+    options = sources_options(args.source, args.seed, args.oct_manifest, args.participants)
+    rows, summary = build_sources(**options)
+    write_sources(rows, args.out, options)
     print_summary(summary, args.out, args.source, time.perf_counter() - t0)
+    print_preview(preview(rows, cfg), args.config)
     return cli.strict_status(sum(summary["row_errors"].values()), args.strict)
 
 

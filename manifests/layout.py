@@ -8,6 +8,7 @@ Cache root (CACHE):      sources.parquet (`make manifest`), manifest.parquet/par
 """
 from __future__ import annotations
 
+import json
 import posixpath
 import sys
 
@@ -27,6 +28,7 @@ MIRROR_RECORD_SCHEMA = pa.schema([
     pa.field("verified", pa.bool_()), pa.field("recorded_at", pa.string()),
 ])
 SOURCES = "sources.parquet"
+SOURCES_OPTIONS = b"octfm.sources"         # sources.parquet's metadata key: how `make manifest` listed the dataset
 MANIFEST_DIR = "manifest.parquet"
 VOLUMES_DIR = "volumes"
 
@@ -54,6 +56,18 @@ def read_mirror_record(root: str) -> dict[str, dict]:
 # ---------------------------------------------------------------- the cache root
 def sources_uri(cache: str) -> str:
     return fsio.join(cache, SOURCES)
+
+
+def read_sources(cache: str) -> tuple[list[dict], dict] | None:
+    """sources.parquet's rows and the options `make manifest` listed the dataset with ({} for a
+    file written before they were recorded), or None when there is none."""
+    uri = sources_uri(cache)
+    if not fsio.exists(uri):
+        return None
+    table = schema.read_table(uri, schema.SOURCES_SCHEMA)
+    fs, path = fsio.filesystem(uri)
+    meta = pq.read_schema(path, filesystem=fs).metadata or {}
+    return table.to_pylist(), json.loads(meta[SOURCES_OPTIONS]) if SOURCES_OPTIONS in meta else {}
 
 
 def manifest_uri(cache: str) -> str:

@@ -42,11 +42,20 @@ SOURCE_FIELDS = [
     pa.field("pixel_spacing", pa.string()),       # manifest.tsv's own string ("Varies by frame", "Not reported", ...)
     pa.field("slice_thickness", pa.string()),     # manifest.tsv's own string
     pa.field("reference_filepath", pa.string()),  # manifest.tsv: the image this one refers to (e.g. an OCTA's)
+    # where the file was found: "path" (at manifest.tsv's path), "name" (by file name elsewhere: a repacked
+    # bucket), null (not found, or a file manifest.tsv does not list)
+    pa.field("found_by", pa.string()),
+    # the scan (manifests/protocols.py): Protocol Name normalised, from the file name here and the header in the
+    # cache manifest; raster | radial | line; the physical extent across frames, in depth, along columns (mm)
+    pa.field("protocol", pa.string()),
+    pa.field("scan_pattern", pa.string()),
+    pa.field("field_mm", pa.list_(pa.float64())),
 ]
 
 CACHE_FIELDS = SOURCE_FIELDS + [
-    pa.field("status", pa.string()),           # ok | failed
-    pa.field("error", pa.string()),            # null when ok, else the reason
+    pa.field("status", pa.string()),           # ok | failed | skipped (not selected: configs/cache.yaml select)
+    pa.field("error", pa.string()),            # why a failed row failed, else null
+    pa.field("skip_reason", pa.string()),      # why a skipped row was not cached, else null
     pa.field("volume", pa.string()),           # Zarr array path relative to the cache root
     pa.field("shape", pa.list_(pa.int32())),   # stored D, H, W
     pa.field("native_shape", pa.list_(pa.int32())),  # frames, rows, cols decoded
@@ -55,6 +64,7 @@ CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("spacing_mm", pa.list_(pa.float64())),         # stored voxel size D, H, W
     pa.field("native_spacing_mm", pa.list_(pa.float64())),  # frame, row, col spacing
     pa.field("flipped_axes", pa.list_(pa.int32())),  # axes reversed to the common orientation
+    pa.field("crop_pad", pa.list_(pa.int32())),  # resample: spacing: voxels padded (+) or cut (-) per axis to the shape
     pa.field("transfer_syntax", pa.string()),
     pa.field("bits_stored", pa.int32()),
     pa.field("sha1", pa.string()),             # SHA-1 of the bytes read

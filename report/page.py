@@ -89,6 +89,7 @@ def load_manifest(cache: str) -> pd.DataFrame:
         raise cli.UsageError(f"--cache: no cache manifest at {exc} (run make cache first)") from None
     df["device"] = df["device"].fillna("unknown")
     df["imaging"] = df["imaging"].fillna("")
+    df["protocol"] = df["protocol"].fillna("unknown")
     return df
 
 
@@ -104,11 +105,32 @@ def reason_category(status: str, error: str | None) -> str:
 
 
 def device_counts(df: pd.DataFrame) -> list[list]:
+    """Per device and protocol: files, ok, skipped (not selected), failed, other, not in manifest.tsv."""
     rows = []
-    for dev, g in list(df.groupby("device", sort=True)) + [("all", df)]:
-        ok, failed = int((g.status == "ok").sum()), int((g.status == "failed").sum())
-        rows.append([dev, len(g), ok, failed, len(g) - ok - failed, int((g.listed == False).sum())])  # noqa: E712
+    for (dev, protocol), g in list(df.groupby(["device", "protocol"], sort=True)) + [(("all", ""), df)]:
+        ok, skipped, failed = (int((g.status == s).sum()) for s in ("ok", "skipped", "failed"))
+        rows.append([dev, protocol, len(g), ok, skipped, failed, len(g) - ok - skipped - failed,
+                     int((g.listed == False).sum())])  # noqa: E712
     return rows
+
+
+def um(values) -> str:
+    """A voxel size in mm as micrometres, D x H x W."""
+    return "x".join(f"{1000 * float(v):.0f}" for v in values) if values is not None and len(values) else "-"
+
+
+def mm(values) -> str:
+    return "x".join("-" if v is None or v != v else f"{float(v):.1f}" for v in values) if values is not None else "-"
+
+
+def scale_rows(df: pd.DataFrame) -> list[list]:
+    """Per device and protocol (ok rows): the field (mm), the stored voxel size (um) and what was cut or
+    padded: how big one voxel is on each scanner under the chosen resample mode."""
+    ok = df[df.status == "ok"]
+    t = pd.DataFrame({"device": ok.device, "protocol": ok.protocol, "field": ok["field_mm"].map(mm),
+                      "voxel": ok["spacing_mm"].map(um),
+                      "crop_pad": ok["crop_pad"].map(lambda v: shape_text(v) if v is not None else "-")})
+    return [[*k, int(n)] for k, n in t.groupby(list(t.columns), sort=True).size().items()]
 
 
 def failure_rows(df: pd.DataFrame) -> list[list]:
@@ -123,7 +145,7 @@ def failure_rows(df: pd.DataFrame) -> list[list]:
 
 def shape_rows(df: pd.DataFrame) -> list[list]:
     ok = df[df.status == "ok"]
-    t = pd.DataFrame({"device": ok.device, "imaging": ok.imaging, "native": ok["native_shape"].map(shape_text),
+    t = pd.DataFrame({"device": ok.device, "protocol": ok.protocol, "native": ok["native_shape"].map(shape_text),
                       "stored": ok["shape"].map(shape_text),
                       "flipped": ok["flipped_axes"].map(lambda v: str([int(x) for x in v]) if v is not None else "[]")})
     return [[*k, int(n)] for k, n in t.groupby(list(t.columns), sort=True).size().items()]
@@ -149,7 +171,7 @@ def sample_groups(df: pd.DataFrame, per_group: int, seed: int) -> dict[tuple[str
     ok = df[(df.status == "ok") & df.volume.notna()].sort_values("relpath")
     rng = np.random.default_rng(seed)
     out = {}
-    for key, g in ok.groupby(["device", "imaging"], sort=True):
+    for key, g in ok.groupby(["device", "protocol"], sort=True):
         idx = np.sort(rng.choice(len(g), size=min(per_group, len(g)), replace=False))
         out[key] = schema.frame_to_rows(g.iloc[idx])
     return out
@@ -340,12 +362,12 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
           progress: bool = True) -> tuple[str, dict]:
     """The page as a string, and numbers for the summary."""
     df = load_manifest(cache)
-    stats = {"files": len(df), "ok": int((df.status == "ok").sum()), "failed": int((df.status == "failed").sum())}
+    stats = {"files": len(df), **{s: int((df.status == s).sum()) for s in ("ok", "skipped", "failed")}}
     body = [f"<h1>octfm report</h1><p class=\"muted\">cache {esc(cache)}"
             f"{' &middot; run ' + esc(run) if run else ''} &middot; {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>"]
-    body.append("<h2>Cache: files per device</h2>")
-    body.append(table(["device", "files", "ok", "failed", "other (pending)", "not in manifest.tsv"],
-                      device_counts(df)))
+    body.append("<h2>Cache: files per device and protocol</h2>")
+    body.append(table(["device", "protocol", "files", "ok", "skipped (not selected)", "failed", "other (pending)",
+                       "not in manifest.tsv"], device_counts(df)))
     body.append("<h3>Failure reasons</h3>")
     fails = failure_rows(df)
     body.append(table(["device", "category", "files", "first reason", "first file"], fails, wide=(3, 4))
@@ -353,6 +375,9 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
     body.append("<h3>Native and stored shapes (ok rows)</h3>")
     body.append(table(["device", "protocol", "native frames x rows x cols", "stored D x H x W", "flipped axes",
                        "files"], shape_rows(df)))
+    body.append("<h3>Physical scale (ok rows): the field, one stored voxel, and what resampling cut (-) or padded (+)</h3>")
+    body.append(table(["device", "protocol", "field mm (frames x depth x columns)", "voxel um (D x H x W)",
+                       "crop/pad voxels", "files"], scale_rows(df)))
 
     groups = sample_groups(df, per_group, seed)
     views, problems = read_views(cache, groups, progress)
@@ -412,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fsio.atomic_write_bytes(out, data)
     run_txt = f"; run {a.run} ({stats['run_rows']} logged steps)" if a.run else ""
     print(f"report: {out} ({len(data) / 1e6:.2f} MB, {stats['images']} images): {stats['files']} files "
-          f"({stats['ok']} ok, {stats['failed']} failed), {stats['montage_volumes']} volumes shown, "
+          f"({stats['ok']} ok, {stats['skipped']} skipped, {stats['failed']} failed), {stats['montage_volumes']} volumes shown, "
           f"{stats['source_unreadable']} sources unreadable{run_txt}; {time.perf_counter() - t0:.1f}s")
     return 0
 

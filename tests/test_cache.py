@@ -18,7 +18,9 @@ from ingest import phantom, synth
 from manifests import schema
 from octfm import config, fsio
 
-CFG = config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [16, 48, 48]}, "workers": 2})
+# pydicom-data's and hand-made files carry no frame traces: their scan pattern is unknown, kept here
+CFG = config.from_dict(build.CacheConfig, {"preprocess": {"target_shape": [16, 48, 48]}, "workers": 2,
+                                           "select": {"scan_pattern": ["raster", "unknown"]}})
 
 
 def test_real_files_in_four_transfer_syntaxes_cache_identically(tmp_path):
@@ -73,8 +75,11 @@ def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
     assert failed.loc["notdicom", "error"].startswith("not DICOM")
     assert failed.loc["missing", "error"].startswith("missing:")
     assert len(failed) == 5 and failed.volume.isna().all()
+    skipped = df[df.status == "skipped"]                   # the radial disc scans: no volume, never failed
+    assert len(skipped) and (skipped.scan_pattern == "radial").all() and skipped.volume.isna().all()
+    assert skipped.skip_reason.str.startswith("not selected: scan_pattern radial").all() and skipped.error.isna().all()
     ok = df[df.status == "ok"]
-    assert len(ok) == len(df) - 5 and ok.error.isna().all()
+    assert len(ok) == len(df) - 5 - len(skipped) and ok.error.isna().all()
     assert all(list(s) == [16, 48, 48] for s in ok["shape"])
     assert (ok.hi > ok.lo).all()
     assert "failure reason" in r.stdout and "total" in r.stdout
@@ -112,23 +117,39 @@ def test_constant_volume_is_refused():
         prep.preprocess(np.full((4, 8, 8), 7, np.uint8), prep.PreprocessConfig(target_shape=(4, 8, 8)))
 
 
-def test_spectralis_octa_is_flipped_to_common_orientation(tmp_path):
-    spec = synth.DEVICES["heidelberg_spectralis"]
+def test_a_raster_written_bottom_to_top_is_flipped_by_its_traces(tmp_path):
+    """Orientation from the header: a volume whose frames run up the localizer (its traces say so)
+    caches exactly like its upright twin; a file without traces keeps its order unless a config
+    rule (preprocess.orientation) flips it."""
+    from manifests.protocols import PROTOCOLS
+
+    spec = synth.DEVICES["topcon_triton"]
+    protocol = PROTOCOLS["triton macula 12x12 octa"]
     vol = phantom.make_volume((8, 62, 96), np.random.default_rng(5), "R")
-    cfg = config.to_dict(CFG)
+    spacing = (0.1, 0.01, 0.01)
     outs = {}
-    for imaging, data in (("OCT", vol), ("OCTA", vol[::-1].copy())):
-        ds = synth.make_dataset(data, spec, (0.1, 0.01, 0.01), participant="1", laterality="R",
-                                sop_uid=f"1.2.3.{len(outs)}", study_uid="1.2", series_uid="1.2.4")
-        path = tmp_path / f"{imaging}.dcm"
+    for name, data, traces, rules in (
+            ("upright", vol, synth.localizer_traces(protocol, 8, 96, spacing), []),
+            ("reversed", vol[::-1].copy(), synth.localizer_traces(protocol, 8, 96, spacing, reverse=True), []),
+            ("untraced", vol[::-1].copy(), None, []),
+            ("ruled", vol[::-1].copy(), None, [{"device": spec.name, "match": "", "axes": [0]}])):
+        ds = synth.make_dataset(data, spec, spacing, participant="1", laterality="R", sop_uid=f"1.2.3.{len(outs)}",
+                                study_uid="1.2", series_uid="1.2.4", protocol_name=protocol.header_name, traces=traces)
+        path = tmp_path / f"{name}.dcm"
         path.write_bytes(synth.dicom_bytes(ds))
-        row = {"relpath": f"retinal_oct/structural_oct/{spec.name}/1/{imaging.lower()}.dcm", "source": str(path),
-               "cache_key": "k", "device": spec.name, "imaging": imaging}
+        row = {"relpath": f"retinal_oct/structural_oct/{spec.name}/1/{name}.dcm", "source": str(path),
+               "cache_key": "k", "device": spec.name}
+        cfg = config.to_dict(config.from_dict(build.CacheConfig, {**config.to_dict(CFG), "preprocess": {
+            **config.to_dict(CFG.preprocess), "orientation": rules}}))
         out = build.process_row(row, cfg, str(tmp_path / "c"), "t")
         assert out["status"] == "ok", out["error"]
-        outs[imaging] = (out, store.read_volume(str(tmp_path / "c"), out["volume"]))
-    assert outs["OCTA"][0]["flipped_axes"] == [0] and outs["OCT"][0]["flipped_axes"] == []
-    np.testing.assert_array_equal(outs["OCT"][1], outs["OCTA"][1])
+        outs[name] = (out, store.read_volume(str(tmp_path / "c"), out["volume"]))
+    assert [outs[k][0]["flipped_axes"] for k in outs] == [[], [0], [], [0]]
+    assert outs["upright"][0]["scan_pattern"] == outs["reversed"][0]["scan_pattern"] == "raster"
+    assert outs["untraced"][0]["scan_pattern"] == "raster"   # from the published protocol
+    np.testing.assert_array_equal(outs["upright"][1], outs["reversed"][1])
+    np.testing.assert_array_equal(outs["upright"][1], outs["ruled"][1])
+    assert not np.array_equal(outs["upright"][1], outs["untraced"][1])
 
 
 @pytest.mark.slow

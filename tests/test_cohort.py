@@ -176,12 +176,12 @@ def _tree_bytes(root) -> dict:
 def test_generator_bytes_do_not_depend_on_workers(tmp_path):
     """The random numbers are drawn in one stream in the caller; a pool of processes renders and
     writes the volumes: the same tree, byte for byte, as in one process (lesions, the layers cue,
-    a JPEG 2000 scanner (participant 3, a Cirrus) and a Spectralis OCTA cube included)."""
+    a JPEG 2000 scanner (participant 3, a Cirrus) and a Spectralis radial disc scan included)."""
     cfg = dataclasses.replace(cohort.COHORT, participants=6, scale=16, layers=0.2)
     synth.generate(tmp_path / "one", cfg, workers=0)
     synth.generate(tmp_path / "pool", cfg, workers=2)
     one, pool = _tree_bytes(tmp_path / "one"), _tree_bytes(tmp_path / "pool")
-    assert list(one) == list(pool) and len(one) == 3 + 6 * 2 + 1  # three tables, both eyes, one OCTA cube
+    assert list(one) == list(pool) and len(one) == 3 + 6 * 2 + 1  # three tables, both eyes, one radial scan
     assert [k for k in one if one[k] != pool[k]] == []
     assert synth.default_workers(dataclasses.replace(cfg, participants=synth.POOL_FROM - 1)) == 0
 

@@ -1,6 +1,7 @@
 """Real servers on loopback: rclone from an S3 server (moto, as B2 speaks S3) to a GCS
 emulator; the cache built from gs:// sources into a gs:// cache; staging with rclone."""
 
+import hashlib
 import re
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_local_mirror_records_sha1_and_cache_catches_a_changed_file(synth_tree, 
     assert r.returncode == 0, r.stderr
     record = pd.read_parquet(dst / "octfm_mirror.parquet")
     assert record.sha1.notna().all() and record.verified.all()
-    victim = sorted(dst.rglob("*triton_mac_oct_r*.dcm"))[0]
+    victim = sorted(dst.rglob("*_triton_3d_radial_oct_oct_r_*.dcm"))[0]
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF  # same size, different content: rclone's size check cannot see it
     victim.write_bytes(bytes(data))
@@ -84,7 +85,9 @@ def test_local_mirror_records_sha1_and_cache_catches_a_changed_file(synth_tree, 
     assert r.returncode == 0
     df = pd.read_parquet(cache / "manifest.parquet")
     row = df[df.relpath.str.endswith(victim.name)].iloc[0]
-    assert row.status == "failed" and row.error.startswith("checksum mismatch: SHA-1")
+    assert row.status == "failed"  # the SHA-1 check's own message (the record has an MD5 too, checked after it)
+    assert row.error == (f"checksum mismatch: SHA-1 {hashlib.sha1(victim.read_bytes()).hexdigest()} differs from the "
+                         f"mirror record {row.expected_sha1}")
     assert (df[df.status == "ok"].sha1 == df[df.status == "ok"].expected_sha1).all()
 
 

@@ -134,7 +134,7 @@ def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_us
 @pytest.mark.parametrize("laterality", ["R", "L"])
 def test_synthetic_volumes_carry_an_up_down_cue(laterality):
     """The vessel shadow lies in the frames before the middle, so the en-face montage shows a
-    frame-reversed cube (Spectralis OCTA without its flip rule) upside down."""
+    frame-reversed cube (one written bottom to top, not flipped by its traces) upside down."""
     vol = phantom.make_volume((32, 64, 64), np.random.default_rng(0), laterality)
     enface = vol.mean(axis=1)                    # [frames, cols]
     darkest = enface.argmin(axis=0)              # per column: the frame under the vessel

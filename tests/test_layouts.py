@@ -1,0 +1,198 @@
+"""The release as users hold it: the layouts its buckets come in (as released, zipped, repacked by a
+research group), every scan protocol with its pattern and field, `select`, and a source that changes
+under a kept cache."""
+import shutil
+import zipfile
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import run_cli
+
+from cache import build as cache_build
+from cache import store
+from cache.config import CacheConfig
+from ingest import synth
+from manifests import build, protocols
+from octfm import config
+from octfm.errors import DataError
+
+SHAPE = "preprocess.target_shape=[8,32,32]"
+
+
+def tree(tmp_path, name="plain", **kw) -> str:
+    cfg = dict(participants=8, scale=16, seed=3, bad_files=False, unlabeled=0)
+    synth.generate(tmp_path / name, synth.SynthConfig(**{**cfg, **kw}))
+    return str(tmp_path / name)
+
+
+def rows_by_relpath(root: str, **kw) -> pd.DataFrame:
+    rows, summary = build.build_sources(root, **kw)
+    return pd.DataFrame(rows).set_index("relpath").sort_index(), summary
+
+
+def test_a_repacked_bucket_finds_every_row_by_name_and_caches_the_same_volumes(tmp_path):
+    """One group's bucket: the tables at the root, one ZIP per device at <root>/<device>/, members
+    <participant>/<file> (one device's written ./<participant>/...), while manifest.tsv keeps the
+    release's paths: every row is found by its file name and caches as the plain tree's."""
+    plain, repack = tree(tmp_path), tree(tmp_path, "repack", layout="repack")
+    a, sa = rows_by_relpath(plain)
+    b, sb = rows_by_relpath(repack)
+    assert (sa["by_path"], sa["by_name"], sa["not_found"]) == (len(a), 0, 0)
+    assert (sb["by_path"], sb["by_name"], sb["not_found"]) == (0, len(b), 0) and sb["layout"].startswith("repacked")
+    assert sb["tables"]["oct_manifest"].endswith("repack/manifest.tsv")
+    assert list(a.index) == list(b.index) and b.manifest_error.isna().all()
+    assert b.source.str.startswith("zip://").all() and b.source.str.contains("zip://./").any()
+    same = ["participant_id", "label", "split", "device", "laterality", "protocol", "scan_pattern", "sop_instance_uid"]
+    pd.testing.assert_frame_equal(a[same], b[same])
+    out = {}
+    for name, root in (("plain", plain), ("repack", repack)):
+        r = run_cli("cache.build", "--source", root, "--cache", str(tmp_path / f"c_{name}"), "--no-progress", SHAPE)
+        assert r.returncode == 0, r.stderr
+        out[name] = pd.read_parquet(tmp_path / f"c_{name}" / "manifest.parquet").set_index("relpath").sort_index()
+    assert list(out["plain"].status) == list(out["repack"].status)
+    ok = out["plain"][out["plain"].status == "ok"]
+    assert len(ok) == (a.scan_pattern == "raster").sum()
+    for vol in ok.volume:
+        assert np.array_equal(store.read_volume(str(tmp_path / "c_plain"), vol),
+                              store.read_volume(str(tmp_path / "c_repack"), vol))
+
+
+def test_tables_are_found_at_the_root_in_retinal_oct_or_where_named(tmp_path):
+    root = tree(tmp_path, participants=4)
+    ref, _ = rows_by_relpath(root)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.move(f"{root}/participants.tsv", moved / "people.tsv")
+    with pytest.raises(DataError, match=r"participants.tsv not found at .*/participants.tsv or .*"
+                                         r"retinal_oct/participants.tsv .*PARTICIPANTS=<path>"):
+        build.build_sources(root)
+    got, summary = rows_by_relpath(root, participants_tsv=str(moved / "people.tsv"))
+    assert summary["tables"]["participants"] == str(moved / "people.tsv")
+    pd.testing.assert_frame_equal(got.drop(columns="source"), ref.drop(columns="source"))
+    shutil.move(moved / "people.tsv", f"{root}/retinal_oct/participants.tsv")   # beside manifest.tsv
+    shutil.move(f"{root}/retinal_oct/manifest.tsv", f"{root}/oct.tsv")
+    got, summary = rows_by_relpath(root, oct_manifest="oct.tsv")                 # a path under the root
+    assert summary["tables"]["oct_manifest"] == f"{root}/oct.tsv" and list(got.index) == list(ref.index)
+    r = run_cli("manifests.build", "--source", root, "--out", str(tmp_path / "s.parquet"), "--oct-manifest", "nope.tsv")
+    assert r.returncode == 2 and "OCT_MANIFEST=nope.tsv" in r.stderr
+
+
+def test_release_3_person_id_in_both_tables(tmp_path):
+    root = tree(tmp_path, participants=4, id_column="person_id")
+    tsv = f"{root}/retinal_oct/manifest.tsv"
+    pd.read_csv(tsv, sep="\t", dtype=str).rename(columns={"participant_id": "person_id"}).to_csv(tsv, sep="\t", index=False)
+    got, _ = rows_by_relpath(root)
+    assert got.participant_id.notna().all() and got.label.notna().all() and got.manifest_error.isna().all()
+
+
+def test_two_files_with_one_name_are_an_ambiguity_naming_both(tmp_path):
+    root = tree(tmp_path, "repack", participants=4, layout="repack")
+    first = pd.read_csv(f"{root}/manifest.tsv", sep="\t", dtype=str).filepath[0]
+    name = first.rsplit("/", 1)[1]
+    (tmp_path / "repack" / "copies").mkdir()
+    shutil.copy(next(p for p in (tmp_path / "repack").rglob("*.zip")), tmp_path / "repack" / "copies" / "a.zip")
+    with zipfile.ZipFile(tmp_path / "repack" / "copies" / "b.zip", "w") as zf:
+        zf.writestr(f"x/{name}", b"another file of the same name")
+    got, summary = rows_by_relpath(root)
+    err = got.loc[first.lstrip("/"), "manifest_error"]
+    assert err.startswith("ambiguous: 2 files are named") and err.count(name) == 3, err
+    assert "copies/x/" in err and summary["not_found"] >= 1
+
+
+def test_another_modalitys_dicoms_are_ignored_and_counted(tmp_path):
+    root = tree(tmp_path, participants=4)
+    photo = tmp_path / "plain" / "retinal_photography" / "cfp" / "icare_eidon" / "1001" / "1001_eidon_l_1.2.dcm"
+    photo.parent.mkdir(parents=True)
+    photo.write_bytes(b"a fundus photograph")
+    got, summary = rows_by_relpath(root)
+    assert not got.index.str.startswith("retinal_photography").any()
+    assert summary["ignored"] == ["retinal_photography/cfp/icare_eidon/1001/1001_eidon_l_1.2.dcm"]
+
+
+def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
+    """A tree with all twelve protocols: raster volumes cached, every radial scan skipped with its
+    reason, nothing failed; protocol, scan_pattern and field_mm on every row, in both manifests."""
+    root = tree(tmp_path, participants=4, protocols="all", reversed=("triton macula 12x12 octa",))
+    src, _ = rows_by_relpath(root)
+    assert set(src.protocol) == set(protocols.PROTOCOLS)
+    assert src.scan_pattern.notna().all()
+    cache = tmp_path / "cache"
+    r = run_cli("cache.build", "--source", root, "--cache", str(cache), "--no-progress", "--strict", SHAPE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    df = pd.read_parquet(cache / "manifest.parquet")
+    assert (df.status != "failed").all() and df.protocol.notna().all() and df.scan_pattern.notna().all()
+    radial = df[df.protocol == "spectralis onh rc hr oct"]
+    assert len(radial) and (radial.status == "skipped").all() and (radial.scan_pattern == "radial").all()
+    assert radial.skip_reason.str.contains("select.scan_pattern keeps raster").all()
+    ok = df[df.status == "ok"]
+    assert len(ok) == len(df) - len(radial) and (ok.scan_pattern == "raster").all()
+    assert ok.field_mm.map(lambda f: f is not None and all(v > 0 for v in f)).all()
+    wide = ok[ok.protocol == "maestro2 3d wide oct"].field_mm.iloc[0]
+    assert wide[0] == pytest.approx(9.0) and wide[2] == pytest.approx(12.0)
+    flipped = ok[ok.protocol == "triton macula 12x12 octa"]
+    assert flipped.flipped_axes.map(list).map(lambda a: a == [0]).all()
+    assert (ok[ok.protocol != "triton macula 12x12 octa"].flipped_axes.map(len) == 0).all()
+    for line in ("spectralis onh rc hr oct", "cirrus disc 6x6 octa", "skipped because"):
+        assert line in r.stdout
+
+
+def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_ignores_them(tmp_path):
+    root = tree(tmp_path, participants=4, protocols="all")
+    cfg = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "select.device=[topcon_triton,zeiss_cirrus]",
+                                                         "select.region=[macula]"])
+    rows = cache_build.build(root, str(tmp_path / "cache"), cfg, progress=False)
+    df = pd.DataFrame(rows)
+    ok = df[df.status == "ok"]
+    assert set(ok.device) == {"topcon_triton", "zeiss_cirrus"}
+    assert set(ok.anatomic_region.str.split(",").str[0]) == {"Macula"}
+    assert df[df.device == "topcon_maestro2"].skip_reason.str.startswith("not selected: device topcon_maestro2").all()
+    assert df[(df.device == "zeiss_cirrus") & df.protocol.str.contains("disc")].skip_reason.str.startswith(
+        "not selected: region optic disc").all()
+    r = run_cli("cache.build", "--source", root, "--cache", str(tmp_path / "c2"), "--no-progress", "--strict", SHAPE,
+                "select.protocol=[Maestro2_3D_Wide_OCT]")
+    assert r.returncode == 0, r.stdout[-2000:]        # skipped rows are not failures
+    df = pd.read_parquet(tmp_path / "c2" / "manifest.parquet")
+    assert set(df[df.status == "ok"].protocol) == {"maestro2 3d wide oct"}
+    with pytest.raises(config.ConfigError, match="select.scan_pattern"):
+        config.load(CacheConfig, "configs/cache.yaml", ["select.scan_pattern=[cube]"])
+
+
+def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path):
+    """Rows read once keep their header's reading: widening `select` caches the radial scans
+    without re-reading the others, narrowing it again skips them without reading anything."""
+    root = tree(tmp_path, participants=4)
+    cache = str(tmp_path / "cache")
+    base = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
+    first = pd.DataFrame(cache_build.build(root, cache, base, progress=False))
+    wide = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "select.scan_pattern=[raster,radial]"])
+    second = pd.DataFrame(cache_build.build(root, cache, wide, progress=False))
+    assert (second.status == "ok").all() and (second.status == "ok").sum() > (first.status == "ok").sum()
+    third = pd.DataFrame(cache_build.build(root, cache, base, progress=False))
+    assert list(third.status) == list(first.status)
+
+
+def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
+    """The cache is keyed on the source's listing, not its path: the same folder regenerated with
+    other participants rebuilds sources.parquet and caches exactly the new files."""
+    root = tree(tmp_path, participants=8)
+    cache = str(tmp_path / "cache")
+    cfg = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
+    cache_build.build(root, cache, cfg, progress=False)
+    tree(tmp_path, participants=6, seed=9)                   # same path, other files
+    capsys.readouterr()
+    rows = pd.DataFrame(cache_build.build(root, cache, cfg, progress=False))
+    assert "changed since" in capsys.readouterr().out
+    now, _ = rows_by_relpath(root)
+    assert sorted(rows.relpath) == list(now.index)
+    assert all((tmp_path / "plain" / rel).exists() for rel in rows.relpath)
+
+
+def test_the_manifest_summary_previews_the_cache(tmp_path):
+    root = tree(tmp_path, participants=4)
+    r = run_cli("manifests.build", "--source", root, "--out", str(tmp_path / "s.parquet"), SHAPE)
+    assert r.returncode == 0, r.stderr
+    src, _ = rows_by_relpath(root)
+    n = (src.scan_pattern == "raster").sum()
+    assert f"cache: up to {n} volumes at 8x32x32" in r.stdout and f"{(src.scan_pattern == 'radial').sum()} files skipped" in r.stdout
+    assert "layout: as released" in r.stdout and f"{len(src)} found at their path" in r.stdout
