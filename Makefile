@@ -96,9 +96,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The demo cohort: the lesion generator with its per-eye confounders, plus an easy class cue (inner
-# nuclear layer thickness, --signal) so a 150-step run's probes are above chance; cached small.
+# nuclear layer thickness, --signal) so a 150-step run's probes are above chance; cached small, on the grid
+# (the phantom's anatomy is drawn relative to the volume, not in mm: docs/data.md, "Resampling").
 DEMO_COHORT := --participants 40 --lesions 1 --signal 2
-DEMO_SHAPE  := preprocess.target_shape=[32,128,128]
+DEMO_SHAPE  := preprocess.target_shape=[32,128,128] preprocess.resample=grid
 
 demo: $(STAMP)
 	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(DEMO_COHORT) --layout $(LAYOUT)

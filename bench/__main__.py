@@ -14,11 +14,11 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import (augment_bench, cache_bench, learning_bench, probe_bench, recipe_bench, reference_bench, train_bench,
-                   xla_bench)
+from bench import (augment_bench, cache_bench, learning_bench, probe_bench, recipe_bench, reference_bench, scale_bench,
+                   train_bench, xla_bench)
 from octfm import cli
 
-SUITES = {"cache": cache_bench.run, "train": train_bench.run, "reference": reference_bench.run,
+SUITES = {"cache": cache_bench.run, "scale": scale_bench.run, "train": train_bench.run, "reference": reference_bench.run,
           "recipe": recipe_bench.run, "augment": augment_bench.run, "xla": xla_bench.run, "learning": learning_bench.run,
           "probes": probe_bench.run}
 BLOCKS_PAGE = Path("docs/benchmarks.md")  # where --readme writes each suite's table (its bench:<suite> block)

@@ -36,7 +36,9 @@ CUES = {
     "scanners": Cue("lesions", COHORT, "scanners", 0.05,
                     "the lesions cohort, probes trained on three scanners and tested on the fourth"),
 }
-CACHE_ARGS = ["preprocess.target_shape=[32,128,128]"]
+# the grid stretch: the phantom draws its anatomy in coordinates relative to the volume, not in mm, so a
+# fixed voxel size (configs/cache.yaml's `spacing`, for the release) would only zoom it (docs/data.md, "Resampling")
+CACHE_ARGS = ["preprocess.target_shape=[32,128,128]", "preprocess.resample=grid"]
 BINARY, MULTI = "diabetic", "study_group"
 
 

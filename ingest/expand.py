@@ -3,8 +3,10 @@
 Optional: `make manifest` and `make cache` read members in place. This is for users who want
 a plain tree. Each member goes to DST/<the path it stands for> (octfm/archives.py: the
 archive's folder joined with the member name; relative POSIX paths without `..`, the ones
-manifest.tsv lists and rclone and `make mirror` copy as they are), and every other file
-(participants.tsv, manifest.tsv, ...) is copied as is, so DST is an ordinary dataset root.
+manifest.tsv lists and rclone and `make mirror` copy as they are), or, where the OCT manifest.tsv
+lists it at another path (a repacked bucket: <root>/<device>/x.zip with members <pid>/<file>), to
+that path, found by file name as `make manifest` finds it; every other file (participants.tsv,
+manifest.tsv, ...) is copied as is, so DST is an ordinary dataset root.
 
 Streaming: a file is copied in chunks while its CRC-32 is computed, never held whole in
 memory; it is kept (atomically) only when that CRC equals the archive's and the size written
@@ -14,6 +16,7 @@ skipped. One bad archive fails its own members; the others proceed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -138,6 +141,33 @@ def check_roots(source: str, dst: str) -> None:
         raise cli.UsageError(f"DST={dst} is inside SOURCE={source}: choose a folder outside the zipped dataset")
 
 
+def manifest_paths(source: str, members: list[archives.Member]) -> dict[str, str]:
+    """Member path -> the path the OCT manifest.tsv lists for it, where the two differ (the member
+    found by its file name, as `make manifest` finds it); {} without a manifest."""
+    from manifests import aireadi
+    from manifests import build as manifest_build
+
+    try:
+        uri = manifest_build.table_uri(source, None, manifest_build.OCT_MANIFEST_AT, "manifest.tsv", "OCT_MANIFEST")
+        rows = aireadi.parse_oct_manifest(fsio.read_text(uri), where=uri)
+    except Exception:  # noqa: BLE001 - no readable manifest: the layout rule alone
+        return {}
+    wanted = []
+    for p in rows["filepath"]:
+        try:
+            wanted.append(fsio.safe_relpath(p, required_prefix=manifest_build.OCT_DIR))
+        except fsio.PathEscapeError:
+            continue
+    matcher = manifest_build.Matcher({m.relpath: {} for m in members})
+    matcher.claim_paths(wanted)
+    out = {}
+    for rel in wanted:
+        found, how, _ = matcher.find(rel)
+        if how == "name":
+            out[found] = rel
+    return out
+
+
 def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> dict:
     check_roots(source, dst)
     t0 = time.perf_counter()
@@ -158,6 +188,9 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
         results += [{"path": m.relpath, "status": "failed", "bytes": 0,
                      "error": f"duplicate: {rel} holds a path already in {holder}"} for m, holder in dups]
         jobs[rel] = keep
+    moved = manifest_paths(source, [m for ms in jobs.values() for m in ms])
+    jobs = {rel: [dataclasses.replace(m, relpath=moved.get(m.relpath, m.relpath)) for m in ms]
+            for rel, ms in jobs.items()}
     fsio.remove_stale_temps(dst, recursive=True)  # temp files of a run killed mid-write
     existing = file_sizes(dst)
     total = sum(m.size for ms in jobs.values() for m in ms) + sum(plain.values())
@@ -169,7 +202,7 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
             results += fut.result()
     bar.close()
     return {"results": results, "archives": len(zips), "members": sum(len(m) for m, _ in listed.values()),
-            "plain": len(plain), "seconds": time.perf_counter() - t0}
+            "plain": len(plain), "moved": len(moved), "seconds": time.perf_counter() - t0}
 
 
 def summarize(s: dict, source: str, dst: str) -> str:
@@ -178,7 +211,8 @@ def summarize(s: dict, source: str, dst: str) -> str:
     bad_archives = [r for r in res if r.get("archive")]
     copied_mb = sum(r["bytes"] for r in res) / 1e6
     lines = [f"expand: {source} -> {dst}: {s['archives']} archive(s) with {s['members']} member(s), "
-             f"{s['plain']} other file(s)",
+             f"{s['plain']} other file(s); {s['moved']} member(s) written at the path manifest.tsv lists (found by "
+             "file name)",
              f"expand: copied {status['copied']} ({copied_mb:.1f} MB, size and CRC-32 verified), "
              f"skipped {status['skipped']} (already there with the same size and CRC-32), failed {status['failed']}"
              f"{f', {len(bad_archives)} unreadable archive(s)' if bad_archives else ''}; {s['seconds']:.1f}s"]

@@ -145,6 +145,9 @@ def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_igno
     df = pd.DataFrame(rows)
     ok = df[df.status == "ok"]
     assert set(ok.device) == {"topcon_triton", "zeiss_cirrus"}
+    # configs/cache.yaml resamples to one voxel size: every volume's is the config's, its cut or pad recorded
+    assert cfg.preprocess.resample == "spacing"
+    assert all(list(v) == list(cfg.preprocess.spacing_mm) for v in ok.spacing_mm) and ok.crop_pad.notna().all()
     assert set(ok.anatomic_region.str.split(",").str[0]) == {"Macula"}
     assert df[df.device == "topcon_maestro2"].skip_reason.str.startswith("not selected: device topcon_maestro2").all()
     assert df[(df.device == "zeiss_cirrus") & df.protocol.str.contains("disc")].skip_reason.str.startswith(
@@ -196,3 +199,11 @@ def test_the_manifest_summary_previews_the_cache(tmp_path):
     n = (src.scan_pattern == "raster").sum()
     assert f"cache: up to {n} volumes at 8x32x32" in r.stdout and f"{(src.scan_pattern == 'radial').sum()} files skipped" in r.stdout
     assert "layout: as released" in r.stdout and f"{len(src)} found at their path" in r.stdout
+
+
+def test_expand_writes_a_repacked_buckets_members_at_the_manifests_paths(tmp_path):
+    repack = tree(tmp_path, "repack", participants=4, layout="repack")
+    r = run_cli("ingest.expand", "--source", repack, "--dst", str(tmp_path / "plain_again"), "--no-progress", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got, summary = rows_by_relpath(str(tmp_path / "plain_again"))
+    assert summary["by_path"] == len(got) and summary["by_name"] == 0 and got.manifest_error.isna().all()
