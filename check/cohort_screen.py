@@ -14,7 +14,8 @@ Three numbers, each a balanced accuracy on the binary `diabetic` task:
 
 `--plant AMP` adds a bright cube (+AMP grey levels, 8 x 16 x 16 voxels, at a random place) to
 every positive training crop: a cue any encoder should learn, which tells "this encoder cannot
-learn local cues here" from "this cohort's cue is too weak". Writes <out>/screen.json.
+learn local cues here" from "this cohort's cue is too weak"; the plant keys the reference's run, so an
+--out whose reference trained with another plant (or none) is refused, not reused. Writes <out>/screen.json.
 """
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ def train_reference(cfg: TrainConfig, out: Path, steps: int, plant: int, progres
     enc = Encoder(cfg.model, cfg.data.input_shape)
     ident = {"init": "random", "seed": ft_cfg.seed, "config": config.to_dict(cfg.model)}
     wrap = functools.partial(Planted, amp=plant) if plant else None
-    ft = finetune.Finetuner(ft_cfg, rt, backbone=backbone.Backbone(enc, cfg, ident), dataset=wrap)
+    ft = finetune.Finetuner(ft_cfg, rt, backbone=backbone.Backbone(enc, cfg, ident), dataset=wrap,
+                            dataset_key={"plant": plant} if plant else None)  # a run without the cube is not this one
     ft.run(progress=progress)
     return ft
 

@@ -15,7 +15,8 @@ same subsets), for `CUE=scanners` every scanner held out in turn and, with `--fi
 labels against the frozen probe (the head val chose). Every stage is
 resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
 result.png (and, as soon as the features exist, result_interim.json and .md with the headline rows,
-for a run cut short); docs/learning-check.md keeps the decisions behind it.
+for a run cut short; an earlier run's result files move to <out>/<cue>/previous/ as it starts);
+docs/learning-check.md keeps the decisions behind it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from check import token_probe
 from check.cohort import BINARY, COHORT, CUES, DEV_SEED, build_cache, cohort, eval_device
 from check.keys import finetune_tag, recipe_name
-from check.report import markdown, plot, probe_line, write_result
+from check.report import markdown, plot, probe_line, set_aside_results, write_result
 from check.rows import (
     curve_fits, headline_probes, online_curve, probe_all, reference_training, supervised_features,
     training_summary)
@@ -183,6 +184,13 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
                  res["best_checkpoint"])
 
 
+def job_name(init: str, fraction: float, train_seed: int | None = None) -> str:
+    """A fine-tuning run's job and stage name: one per run the check trains (pct is exact: 0.1 and 0.104
+    are two), or one would take the other's place among the jobs. `train_seed`: said from the second run on."""
+    seed = "" if train_seed is None else f", training seed {train_seed}"
+    return f"fine-tuning ({init} init{seed}), {pct(fraction)} of labels"
+
+
 def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
           cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
           probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
@@ -210,6 +218,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     cache_dir = home / "cache" if generated else work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     pcfg = probe_config(cache_dir, n_boot, random_draws, device, probe_args,  # refuse bad --probe keys before any work
                         seed if generated and not shared_random_draws else None)
+    dest = out / cue
+    if set_aside_results(dest):  # an earlier run's: never beside this run's interim result (a run cut short)
+        print(f"learning-check: moved the earlier run's result files to {dest / 'previous'}/", flush=True)
     if generated:
         cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
         source = stages.run("cohort", lambda: cohort(home / "source", cfg))
@@ -229,7 +240,6 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
              "training_seeds": t_seeds, "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
              "random_init_seeds": probe.draw_seeds(pcfg)}
-    dest = out / cue
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
     ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
@@ -241,8 +251,7 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     # at once, the curve's own heads join them: they need no reference (curve_fits)
     at_once = together is not None and len(run_keys) > 0
     # each job: a module-level function and its arguments, so that it can run in its own process
-    runs = {(frac, init, k): (f"fine-tuning ({init} init{'' if k == 0 else f', training seed {t_seeds[k]}'}), "
-                              f"{pct(frac)} of labels",
+    runs = {(frac, init, k): (job_name(init, frac, None if k == 0 else t_seeds[k]),
                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
                                            pcfg.seed, n_boot, finetune_args, device, t_seeds[k], not at_once)))
             for frac, init, k in run_keys}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,22 @@ def reference_training_line(training: dict) -> str:
                 f"{'-' if best is None else f'{best:.3f}'} at {where}")
     return ("Reference training (make finetune from random init, configs/finetune.yaml with the size's keys; the best "
             "val score's state kept): " + "; ".join(one(f, t) for f, t in training.items()) + ".")
+
+
+PREVIOUS = "previous"  # <out>/<cue>/previous/: the result files of the run before this one
+
+
+def set_aside_results(dest: Path) -> list[str]:
+    """Move an earlier run's result files (result.*, result_interim.*) from dest into dest/previous/
+    (replacing what an older run left there): a run cut short then leaves only its own interim
+    result, never another run's final one beside it (make learning-check-device copies result*)."""
+    found = sorted(p for p in dest.glob("result*") if p.is_file())
+    if found:
+        shutil.rmtree(dest / PREVIOUS, ignore_errors=True)
+        (dest / PREVIOUS).mkdir()
+        for p in found:
+            p.rename(dest / PREVIOUS / p.name)
+    return [p.name for p in found]
 
 
 def write_result(result: dict, dest: Path, stem: str) -> None:

@@ -5,6 +5,7 @@ import numpy as np
 
 from check import probes as check_probes
 from check.cohort import BINARY, MULTI
+from check.keys import percent
 from evals import probe
 
 
@@ -132,4 +133,5 @@ def _diff(d: dict) -> str:
 
 
 def pct(fraction: float) -> str:
-    return f"{round(fraction * 100)}%"
+    """0.1 -> "10%", 0.104 -> "10.4%" (keys.percent: exact, so the jobs and rows named by it stay apart)."""
+    return f"{percent(fraction)}%"

@@ -49,7 +49,7 @@ def table_schema(dim: int, key: str) -> pa.Schema:
 def embed_key(ident: dict, cfg, cache: str, precision: str = "fp32") -> str:
     """What the embeddings depend on besides each volume's cache key."""
     blob = {"encoder": ident, "cache": cache, "stride": list(cfg.data.stride), "input": list(cfg.data.input_shape),
-            "pooling": cfg.model.pool, "version": features.FEATURE_VERSION}
+            "pooling": cfg.model.pool, "code": features.feature_code_key()}
     if precision != "fp32":
         blob["precision"] = precision
     return config.content_key(blob)

@@ -15,7 +15,15 @@ from train import checkpoint, encoder, runtime
 from train.config import TrainConfig
 from train.model import Encoder
 
-FEATURE_VERSION = "1"
+# What makes the features (the encoder's forward and pooling, the crops it reads): with their inputs it keys them,
+# so features made by older code (before the bf16 residual stream, say) are made afresh, not reused; embeddings
+# (evals/embed.py) are keyed on it too
+FEATURE_CODE = ("evals/features.py",)
+
+
+def feature_code_key() -> str:
+    """The content key of FEATURE_CODE's import closure (config.code_key, as the learning check keys its runs)."""
+    return config.code_key(FEATURE_CODE)
 
 
 def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig | None = None,
@@ -109,7 +117,7 @@ FULL_GRID = (1, 1, 1)  # no pooling: one feature vector per token (the token pro
 
 def feature_key(ident: dict, rows: list[dict], cfg: TrainConfig, token_pool, precision: str = "fp32") -> str:
     blob = {"encoder": ident, "rows": [(r["relpath"], r["cache_key"]) for r in rows], "stride": list(cfg.data.stride),
-            "input": list(cfg.data.input_shape), "pool": list(token_pool), "version": FEATURE_VERSION}
+            "input": list(cfg.data.input_shape), "pool": list(token_pool), "code": feature_code_key()}
     if precision != "fp32":  # float32 features keep the keys they had before precision was a setting
         blob["precision"] = precision
     return config.content_key(blob, 20)

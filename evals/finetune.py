@@ -12,7 +12,8 @@ encoder untouched, which then warms up again from its first step), a guard that 
 whose loss or gradients are not finite,
 class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu, cuda
 (torchrun + DDP, bf16) and xla, as `make pretrain`. A killed run resumes from its last whole
-epoch to the weights an uninterrupted one reaches. The best epoch is kept as a checkpoint that
+epoch to the weights an uninterrupted one reaches (on another process count, at that epoch of its
+layout). The best epoch is kept as a checkpoint that
 `make export`, `make embed` and `make probe` read like a pretraining one (its head included).
 """
 from __future__ import annotations
@@ -165,12 +166,13 @@ class Finetuner:
     """The state a checkpoint captures (model, optimizer, epoch, the best val score so far); `run` is the loop."""
 
     def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None,
-                 dataset=None):
+                 dataset=None, dataset_key: dict | None = None):
         """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`); `dataset(ds, y)`:
-        wraps the labelled crops (default Labelled; check/cohort_screen.py plants a cue with it)."""
+        wraps the labelled crops (default Labelled; check/cohort_screen.py plants a cue with it), and
+        `dataset_key` says what that wrapper changes (the plant): it keys the run as its settings do."""
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
-        self.cfg, self.rt, self.dataset = cfg, rt, dataset or Labelled
+        self.cfg, self.rt, self.dataset, self.dataset_key = cfg, rt, dataset or Labelled, dataset_key
         # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
         checkpoint.require_shared(str(run_dir(cfg)), rt.hosts, key="out")
         self.spec = TASKS[cfg.task]
@@ -265,8 +267,10 @@ class Finetuner:
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
-        """What the weights depend on: a resume under other settings is refused."""
-        return {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
+        """What the weights depend on: a resume under other settings is refused. The dataset wrapper's
+        keys (the plant) join them only when set, so the runs saved before them resume."""
+        out = {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
+        return {**out, **(self.dataset_key or {})}
 
     def position(self) -> int:
         """Where the run is, in the unit it is scored at: whole epochs, or with `val_every` optimizer
@@ -280,8 +284,8 @@ class Finetuner:
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
                            "from": self.ident, "best": self.best, "head_fit": self.head_fit}}
         if not best:
-            st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, stale=self.stale,
-                      history=self.history, skipped_updates=self.skipped.cpu())
+            st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, layout=self.layout(),
+                      stale=self.stale, history=self.history, skipped_updates=self.skipped.cpu())
         return st
 
     def _saved_state(self) -> tuple[str, dict] | None:
@@ -298,12 +302,48 @@ class Finetuner:
                                  f"set out= to start a new run, or put them back to resume")
         return found
 
+    def layout(self) -> dict:
+        """What an optimizer step is here: `batch` rows on each of `world` processes."""
+        return {"batch": self.batch, "world": self.rt.world}
+
+    def _resume_step(self, uri: str, st: dict) -> int:
+        """The checkpoint's place as this run's optimizer step: its epoch and the samples into it
+        (data.data_position), converted to this run's batch and process count, as pretraining
+        resumes. Refused (naming both layouts) where no whole number of this run's steps reaches it,
+        and with `val_every`, whose checkpoints, history and best are counted in the saved steps."""
+        saved, n = int(st["train_step"]), int(self.train.sum())
+        old = st.get("layout") or self._layout_before_record(uri, st)
+        pos = data.data_position(saved, n, old["batch"], old["world"])
+        start = data.start_batch_for(pos, n, self.batch, self.rt.world)
+        if start != saved and (start is None or self.cfg.val_every):
+            why = "whole steps of this layout do not reach it" if start is None else \
+                "val_every counts its checkpoints, history and best in the saved layout's steps"
+            raise cli.UsageError(
+                f"{uri}: saved at epoch {pos['epoch']}, {pos['offset']} samples into it, with batch {old['batch']} x "
+                f"{old['world']} process(es); this run has batch {self.batch} x {self.rt.world} process(es) and "
+                f"{why}: resume on {old['world']} process(es), or set out= to start a new run")
+        if start != saved and self.rt.is_master:
+            print(f"resume: batch {old['batch']} x {old['world']} process(es) -> {self.batch} x {self.rt.world}: "
+                  f"epoch {pos['epoch']} continues at step {start} of {self.total}")
+        return start
+
+    def _layout_before_record(self, uri: str, st: dict) -> dict:
+        """A checkpoint saved before the layout was recorded: this run's, when its last score's
+        epoch reads the same in this run's steps (a save follows a score); else refused."""
+        last = (st.get("history") or [None])[-1]
+        if last is not None and last["epoch"] != epochs_of(int(st["train_step"]), self.per_epoch):
+            raise cli.UsageError(f"{uri}: saved under another batch or process count than this run's {self.batch} x "
+                                 f"{self.rt.world} process(es) (its epoch {last['epoch']} is not step "
+                                 f"{st['train_step']} here): resume it as it was started, or set out= to start a new run")
+        return self.layout()
+
     def _resume(self, uri: str, st: dict) -> str:
         self.model.encoder.load_state_dict(st["target"])
         self.model.head.load_state_dict(st["head"])
         load_optimizer(self.opt, st["optimizer"], self.lrs)
-        self.step = int(st["train_step"])
+        self.step = self._resume_step(uri, st)
         self.epoch = self.step // self.per_epoch
+        self.ident = st["finetune"]["from"]  # the start it trained from, saved at its first save (ckpt may point on)
         self.best, self.history = st["finetune"]["best"], list(st["history"])
         self.stale = self.recount_stale()  # not the saved count: a run saved under an older rule resumes under this one
         self.skipped.copy_(st.get("skipped_updates", torch.zeros(())))  # absent before the guard

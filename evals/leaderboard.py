@@ -34,6 +34,9 @@ from train.metrics import read_splits
 from train.run_folder import RunFolder
 
 LEADERBOARD_VERSION = "1"
+# What makes a checkpoint's stored result (probe.probe_checkpoint: features, heads, scores): its import closure keys
+# the result with the settings (config.code_key), so rows made by older code are probed afresh, not mixed in
+RESULT_CODE = ("evals/probe.py",)
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
 # time by the number of scanners: off unless ARGS turns them back on (`make probe` has both).
 DEFAULTS = ["baselines=false", "cross_device=false"]
@@ -55,7 +58,7 @@ def result_settings(cfg: ProbeConfig) -> dict:
 
 
 def settings_key(cfg: ProbeConfig) -> str:
-    blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION}
+    blob = {**result_settings(cfg), "version": LEADERBOARD_VERSION, "code": config.code_key(RESULT_CODE)}
     return config.content_key(blob, 16)
 
 

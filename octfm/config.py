@@ -252,3 +252,11 @@ def source_digest(*files: str, length: int = 12) -> str:
     for f in files:
         h.update(f.encode() + b"\0" + (REPO_ROOT / f).read_bytes() + b"\0")
     return h.hexdigest()[:length]
+
+
+def code_key(entries: Sequence[str], exclude: Sequence[str] = (), length: int = 12) -> str:
+    """The content key of the code `entries` (repository paths) run: their import_closure, less
+    `exclude`. The one way kept results are keyed on the code that made them (the learning check's
+    runs, the probes' features, the embeddings, the leaderboard's rows), so an edit to any file
+    that code imports makes them afresh and an edit elsewhere keeps them."""
+    return source_digest(*[f for f in import_closure(*entries) if f not in exclude], length=length)

@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args, train_here
 from evals import finetune
 from evals.config import FinetuneConfig
-from octfm import config
+from octfm import cli, config
 from cache import store
 from evals.probe_heads import load_classifier
 from train import checkpoint, runtime
@@ -534,3 +534,56 @@ def test_predict_scores_each_real_row_once_with_the_batch_edit(pretrained, tmp_p
     assert want.shape == (int(mask.sum()), ft.spec["classes"]) and np.allclose(want.sum(1), 1, atol=1e-5)
     assert starts == list(range(0, int(mask.sum()), 2))
     assert np.allclose(blanked, blanked[0]) and not np.allclose(want, want[0])  # every row the same blank input
+
+
+def _saved_at_epoch(cfg: FinetuneConfig, epochs: int) -> finetune.Finetuner:
+    """A run on one process saved as if it had trained `epochs` whole epochs (nothing trained: the
+    position is what a resume reads)."""
+    ft = _finetuner(cfg)
+    ft.step, ft.epoch = epochs * ft.per_epoch, epochs
+    ft.history = [{"epoch": epochs, "step": ft.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
+    ft.save()
+    return ft
+
+
+def _on_two_processes(cfg: FinetuneConfig) -> finetune.Finetuner:
+    """The run as rank 0 of two processes builds it: the position conversion only, no process group."""
+    return finetune.Finetuner(cfg, runtime.Runtime(kind="cpu", device=torch.device("cpu"), world=2))
+
+
+def test_a_run_resumed_on_another_process_count_continues_at_its_epoch(pretrained, tmp_path):
+    """Issue 75, item 4: stopped after epoch 2 of 6 on one process and resumed on two, the run
+    continues at epoch 2 of the two-process layout (whose epochs have half the steps), not at the
+    one-process step count read as two-process steps (epoch 4: two epochs never trained, the
+    schedule at 67%)."""
+    cfg = _cfg(pretrained, tmp_path / "ft", epochs=6)
+    one = _saved_at_epoch(cfg, 2)
+    two = _on_two_processes(cfg)
+    assert two.per_epoch < one.per_epoch and two.total == 6 * two.per_epoch
+    assert (two.epoch, two.step) == (2, 2 * two.per_epoch), (two.epoch, two.step, two.total)
+
+
+def test_a_step_scored_run_resumed_on_another_process_count_is_refused(pretrained, tmp_path):
+    """With val_every the checkpoints, the history and the best are counted in the saved layout's
+    steps: a resume under another process count is refused, naming the checkpoint and both counts."""
+    cfg = _cfg(pretrained, tmp_path / "ft", epochs=6, val_every=2)
+    _saved_at_epoch(cfg, 2)
+    with pytest.raises(cli.UsageError, match=r"step_\d+\.pt: .*1 process.*2 process"):
+        _on_two_processes(cfg)
+
+
+@pytest.mark.slow  # two processes under torchrun (gloo), about 40 s on 2 cores: the heavy lane
+def test_a_one_process_run_resumes_under_torchrun_at_its_epoch(pretrained, tmp_path):
+    """The conversion above end to end: saved after epoch 2 of 3 on one process, resumed by two
+    under torchrun, it trains epoch 3 alone and reports 3 epochs."""
+    from conftest import free_port
+
+    out = tmp_path / "ft"
+    _saved_at_epoch(_cfg(pretrained, out, epochs=3), 2)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "-m", "evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}",
+                        *QUICK, "epochs=3"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "resume: batch 4 x 1 process(es) -> 4 x 2" in r.stdout and "at epoch 2" in r.stdout
+    m = json.loads((out / "diabetic" / "metrics.json").read_text())
+    assert [h["epoch"] for h in m["history"]] == [2, 3] and m["epochs_run"] == 3
