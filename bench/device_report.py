@@ -45,7 +45,7 @@ def verdicts(res: dict) -> list[str]:
         lines.append(f"octfm / vjepa2 at equal work ({name}): {ratio:.2f}x (target >= {REFERENCE_TARGET}x): "
                      f"{verdict(ratio >= REFERENCE_TARGET)}")
     else:
-        lines.append(f"octfm / vjepa2: not measured ({ref.get('skipped') or ref.get('error') or 'no result'})")
+        lines.append(f"octfm / vjepa2: not measured ({ref.get('skipped') or ref.get('stopped') or ref.get('error') or 'no result'})")
     ck = _measured(res.get("check"))
     if ck:
         name, best = min(ck.items(), key=lambda kv: kv[1]["step_s"])
@@ -62,7 +62,8 @@ def verdicts(res: dict) -> list[str]:
                      f"production crop): {100 * w:.1f}% of the step (target < {100 * WAIT_TARGET:.0f}%): "
                      f"{verdict(w < WAIT_TARGET)}")
     else:
-        lines.append(f"data wait: not measured ({run.get('error') or run.get('skipped') or 'no result'})")
+        why = run.get("error") or run.get("skipped") or run.get("stopped") or "no result"
+        lines.append(f"data wait: not measured ({why})")
     ct = res.get("cuda_tests") or {}
     if "tests" in ct:
         lines.append(f"CUDA tests: {ct['passed']} passed, {len(ct['failed'])} failed {ct['failed'] or ''}, "
@@ -85,8 +86,9 @@ def step_table(steps: dict, title: str) -> list[str]:
         if not isinstance(v, dict):
             continue
         if "step_s" not in v:
-            why = v.get("skipped") or v.get("error") or "?"
-            md.append(f"| {k} | {'skipped' if 'skipped' in v else 'failed'}: {why[:200]} |" + " |" * 11)
+            state = next((s for s in ("skipped", "stopped") if s in v), "failed")
+            why = v.get(state) or v.get("error") or "?"
+            md.append(f"| {k} | {state}: {why[:200]} |" + " |" * 11)
             continue
         md.append(f"| {k} | {v['params_m']:.1f} M | {v['batch']} | {v['tokens']} | {1000 * v['step_s']:.1f} | "
                   f"{v['tokens_per_s']:.0f} | {_num(v.get('flops_per_step'), '.0f', 1e-9)} | "
@@ -135,6 +137,14 @@ def markdown(res: dict) -> list[str]:
     ref = res.get("reference") or {}
     if ref.get("markdown"):
         md += ref["markdown"] + [""]
+    stem = res.get("stem_conv") or {}
+    if "off" in stem:
+        on = stem.get("on") or {}
+        md += [f"## The stem's 3D convolution (model.stem {stem['stem']}, batch {stem['batch']}, "
+               f"{'x'.join(map(str, stem['crop']))}, bf16, forward and backward), torch.backends.cudnn.benchmark", "",
+               "| benchmark | first call (s) | step (ms) |", "|---|---|---|",
+               *(f"| {k} | {v['first_s']:.2f} | {v['step_ms']:.2f} |" for k, v in (("off", stem["off"]), ("on", on)) if v),
+               ""]
     run = res.get("run") or {}
     if "data_wait_frac" in run:
         md += ["## A real make pretrain (production config and crop, volumes from disk, default workers)", "",
@@ -145,4 +155,29 @@ def markdown(res: dict) -> list[str]:
         if isinstance(v, dict) and v.get("error"):
             md += [f"Section {name} failed: `{v['error'][:300]}`", ""]
     md += ["## Verdicts", "", *(f"- {v}" for v in verdicts(res))]
+    return md + plan_table(res)
+
+
+def _outcome(r: dict | None) -> str:
+    if not isinstance(r, dict):
+        return "not reached"
+    for state in ("skipped", "stopped"):
+        if isinstance(r.get(state), str):  # (the CUDA tests' `skipped` is a count)
+            return f"{state}: {r[state]}"[:160]
+    return "failed" if r.get("error") else "ran"
+
+
+def plan_table(res: dict) -> list[str]:
+    """Each item's predicted cost and cap beside what it took and how it ended: what the next
+    call's predictions (bench/device_check.py, predicted_costs) should be corrected by."""
+    if not res.get("plan"):
+        return []
+    md = ["", f"## The budget ({res.get('budget_s', 0):.0f} s): predicted, capped, taken", "",
+          "| item | predicted (s) | cap (s) | took (s) | outcome |", "|---|---|---|---|---|"]
+    for key, predicted, cap in res["plan"]:
+        section, _, variant = key.partition("/")
+        r = res.get(section)
+        r = r.get(variant) if variant and isinstance(r, dict) else r
+        took = r.get("took_s") if isinstance(r, dict) else None
+        md.append(f"| {key} | {predicted:.0f} | {cap:.0f} | {_num(took, '.0f')} | {_outcome(r)} |")
     return md

@@ -10,6 +10,9 @@ The reference step is the sequence of vjepa2's app/vjepa/train.py: target forwar
 layer norm, context encoder, predictor, L1 on the target tokens, backward, AdamW (its own
 `init_opt` groups, default AdamW flags), zero_grad, and the EMA with foreach mul/add.
 Rounds alternate the contenders (each warmed up; median over rounds), so drift hits all alike.
+With a deadline (a lent GPU's call, bench/device_check.py) the measuring stops when it passes, at
+a round's end, and the rounds done by then are the result; the results so far are printed after
+every round, so a process stopped from outside keeps them too.
 
 vjepa2 imports timm for one function (`drop_path`, unused at drop-path rate 0) and timm imports
 torchvision; where no torchvision matches this torch (the CPU build), a stand-in `timm` package
@@ -23,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench import verdict
@@ -123,25 +127,38 @@ nets = {{name: t.network() for name, t in trainers.items()}}  # compiled in plac
 steps = {{name: (lambda b, t=t, n=nets[name]: float(t.update([b], n)[0])) for name, t in trainers.items()}}
 for name, bf16 in {references!r}.items():
     steps[name], ref_params = make_ref(bf16)
+deadline = {deadline!r}  # time.time() by which to stop measuring (None: never)
 warm = {{}}
+times = {{name: [] for name in steps}}
+ctx = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("ctx_")]
+tgt = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("tgt_")]
+def report(stopped=None):
+    print(json.dumps({{"device": torch.cuda.get_device_name() if {device!r} == "cuda" else "CPU", "times": times, "warmup_s": warm, "context_tokens": ctx, "target_tokens": tgt,
+                      "params_m": {{"octfm": sum(p.numel() for p in tr.model.parameters()) / 1e6,
+                                   "vjepa2": ref_params / 1e6}},
+                      "torch": torch.__version__, "threads": torch.get_num_threads(), "stopped": stopped}}), flush=True)
+def past():
+    return deadline is not None and time.time() > deadline
+stopped = None
 for name, fn in steps.items():  # warm-up (and compilation) outside the timed rounds
+    if past():
+        stopped = f"the deadline passed in the warm-up, before {{name}}"
+        break
     t = time.perf_counter()
     for i in range({warmup}):
         fn(batches[i % len(batches)])
     warm[name] = time.perf_counter() - t
-times = {{name: [] for name in steps}}
 for r in range({rounds}):
+    if stopped or past():
+        stopped = stopped or f"the deadline passed after {{r}} of {rounds} rounds"
+        break
     for name, fn in steps.items():
         t = time.perf_counter()
         for i in range({steps}):
             fn(batches[i % len(batches)])
         times[name].append((time.perf_counter() - t) / {steps})
-ctx = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("ctx_")]
-tgt = [int(v.shape[1]) for k, v in batches[0].items() if k.startswith("tgt_")]
-print(json.dumps({{"device": torch.cuda.get_device_name() if {device!r} == "cuda" else "CPU", "times": times, "warmup_s": warm, "context_tokens": ctx, "target_tokens": tgt,
-                  "params_m": {{"octfm": sum(p.numel() for p in tr.model.parameters()) / 1e6,
-                               "vjepa2": ref_params / 1e6}},
-                  "torch": torch.__version__, "threads": torch.get_num_threads()}}))
+    report()
+report(stopped)
 """
 
 
@@ -172,16 +189,30 @@ def _commit(src: str) -> str:
 
 
 def measure_steps(src: str, shim: str, config: str, overrides: list[str], device: str = "cpu",
-            variants: dict = VARIANTS, references: dict = REFERENCES, warmup: int = 5, rounds: int = 5,
-            steps: int = 8) -> dict:
-    """Both steps in one subprocess at equal work, alternating rounds (see the module docstring)."""
+                  variants: dict = VARIANTS, references: dict = REFERENCES, warmup: int = 5, rounds: int = 5,
+                  steps: int = 8, deadline: float | None = None, kill_after: float = 60.0) -> dict:
+    """Both steps in one subprocess at equal work, alternating rounds (see the module docstring).
+    `deadline` (time.time()): stop measuring when it passes and return the rounds done, with why
+    under `stopped`; the process is killed `kill_after` seconds after it, keeping what it printed."""
     code = _CODE.format(src=str(Path(src).resolve()), shim=shim, variants=variants, references=references,
                         config=config, overrides=overrides, device=device, rope=False, warmup=warmup, rounds=rounds,
-                        steps=steps)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+                        steps=steps, deadline=deadline)
+    timeout = None if deadline is None else max(1.0, deadline - time.time() + kill_after)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        out, err, failed = r.stdout, r.stderr, r.returncode != 0
+    except subprocess.TimeoutExpired as exc:  # killed: what it printed stands; nothing printed, the caller hears
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        if "{" not in out:
+            raise
+        err, failed = f"killed {timeout:.0f} s after it started, {kill_after:.0f} s past its deadline", True
+    printed = [line for line in out.splitlines() if line.startswith("{")]
+    if failed and not printed:
+        raise RuntimeError(err[-3000:])
+    res = json.loads(printed[-1])
+    if failed:
+        res["stopped"] = (res.get("stopped") or "stopped") + f"; then: {err.strip().splitlines()[-1][:300]}"
+    return res
 
 
 def check_checkout(src: str) -> None:
@@ -217,22 +248,28 @@ def _ratio(res: dict, name: str) -> str:
 
 
 def summarise(res: dict, src: str, shim: str, size: str, precision: str = "fp32"):
-    """Ratios against the reference at each contender's precision; the verdict reads `precision`."""
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    """Ratios against the reference at each contender's precision; the verdict reads `precision`.
+    A measurement stopped at its deadline is summarised on the rounds it has (none: said so)."""
+    med = {k: statistics.median(v) for k, v in res["times"].items() if v}
     ref = {_precision(k): med[k] for k in med if k.startswith("vjepa2")}
-    res.update(median_step_s=med, ratio={k: ref[_precision(k)] / v for k, v in med.items() if not k.startswith("vjepa2")},
+    res.update(median_step_s=med, ratio={k: ref[_precision(k)] / v for k, v in med.items()
+                                         if not k.startswith("vjepa2") and _precision(k) in ref},
                vjepa2_commit=_commit(src), timm="stand-in (drop_path unused at rate 0)" if shim else "installed")
     same = {k: r for k, r in res["ratio"].items() if _precision(k) == precision}
+    rounds = min((len(v) for v in res["times"].values()), default=0)
+    title = "## Training step beside facebookresearch/vjepa2 (equal work: the same batches, context and target ids)"
+    if not same:
+        return res, [title, "", f"{size}: no timed round ({res.get('stopped') or 'no contender at ' + precision})."]
     best = max(same, key=same.get)
     ok = same[best] >= TARGET
-    rounds = len(next(iter(res["times"].values())))
     lines = [
-        "## Training step beside facebookresearch/vjepa2 (equal work: the same batches, context and target ids)",
+        title,
         "",
         f"{size}, {res['device']}" + (f", {res['threads']} threads" if res["device"] == "CPU" else "")
         + f", torch {res['torch']}; context tokens per mask set {res['context_tokens']}, "
         f"targets {res['target_tokens']}; vjepa2 {res['vjepa2_commit']} (sin-cos positions; timm {res['timm']}). "
-        f"Median of {rounds} alternating rounds; each ratio against the reference at the same precision.",
+        f"Median of {rounds} alternating rounds; each ratio against the reference at the same precision."
+        + (f" Stopped early: {res['stopped']}." if res.get("stopped") else ""),
         "",
         "| step | median (ms) | rounds (ms) | warm-up (s) | reference / this |",
         "|---|---|---|---|---|",
