@@ -52,12 +52,16 @@ def source_location(uri: str) -> str:
     return member[0] if member else uri
 
 
-def load_sources(source: str, cache_root: str, seed: int = 0, tables: dict | None = None) -> list[dict]:
+def load_sources(source: str, cache_root: str, seed: int = 0, tables: dict | None = None,
+                 shards: int = 1) -> list[dict]:
     """The source rows as SOURCE holds them now: the dataset listed again (one listing, with the
     options `make manifest` recorded in <CACHE>/sources.parquet) and that file rewritten when
     what it lists changed (files added, removed or rewritten, a relabelled participants.tsv) or
     it was made for another root. Keyed on the listing, not the path: a tree regenerated in the
-    same folder is read anew. `tables`: oct_manifest / participants_tsv given on the command line."""
+    same folder is read anew. `tables`: oct_manifest / participants_tsv given on the command line.
+    One shard of several (`shards` > 1) keeps the stored file whatever the listing says now: every
+    host must split the same rows, and a bucket that changed between two hosts' starts would
+    otherwise give some files to two shards and others to none; it warns instead, naming the fix."""
     uri = layout.sources_uri(cache_root)
     stored = layout.read_sources(cache_root)
     opts = manifest_build.sources_options(source, seed)
@@ -69,6 +73,11 @@ def load_sources(source: str, cache_root: str, seed: int = 0, tables: dict | Non
     if same_root:
         change = _changes(stored[0], rows)
         if not change:
+            return stored[0]
+        if shards > 1:
+            print(f"cache: warning: SOURCE={source} changed since {uri} was written ({change}); this shard keeps "
+                  "it, so every shard splits the same rows. To cache the change: `make manifest`, then every shard "
+                  "again", file=sys.stderr)
             return stored[0]
         print(f"cache: SOURCE={source} changed since {uri} was written ({change}); rewriting it")
     elif stored is not None:
@@ -128,7 +137,8 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
             done.append({**row, "status": "failed", "error": row["manifest_error"], "code_version": prep.CODE_VERSION})
             continue
         old = prev.get(row["relpath"])
-        read = old if old and old.get("cache_key") == row["cache_key"] and old.get("status") in ("ok", "skipped") else None
+        same = old and old.get("cache_key") == row["cache_key"] and old.get("status") in ("ok", "skipped")
+        read = old if same and old.get("native_shape") is not None else None   # its header was read
         if read:
             row.update({k: read.get(k) for k in SCAN_NAMES})
         reason = cfg.select.skip_reason(row, final=bool(read))
@@ -338,7 +348,7 @@ def _build(source: str, cache_root: str, cfg: CacheConfig, shard, progress: bool
     t0 = time.perf_counter()
     tag = f"s{shard[0]}"
     fsio.remove_stale_temps(cache_root, recursive=True, tag=tag)  # this shard's, from a killed run
-    sources = load_sources(source, cache_root, tables=tables)
+    sources = load_sources(source, cache_root, tables=tables, shards=shard[1])
     rows = shards.select(sources, shard)
     if shard[1] > 1:
         print(f"cache: shard {shard[0]}/{shard[1]}: {shards.balance_line(sources, shard)}")

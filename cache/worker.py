@@ -48,9 +48,11 @@ def describe_scan(row: dict, header) -> dict:
     first), scan_pattern (the frames' traces first, then the published protocol), the voxel size
     (axes the header leaves out filled from the published field) and field_mm (each axis's extent;
     none across a radial scan's frames). `mismatch`: the file name's protocol where the header's differs."""
-    named = protocols.normalise(header.protocol_name)
-    protocol = named or row.get("protocol")
-    mismatch = row.get("protocol") if named and row.get("protocol") and named != row.get("protocol") else None
+    named, by_name = protocols.normalise(header.protocol_name), row.get("protocol")
+    # the header's name where the table knows it; else the file name's known one (Zeiss keeps its own
+    # Protocol Name in Cirrus headers), else whichever there is
+    protocol = next((p for p in (named, by_name) if protocols.known(p)), named or by_name)
+    mismatch = by_name if protocols.known(named) and protocols.known(by_name) and named != by_name else None
     pattern = geometry.scan_pattern(header.traces) or protocols.published_pattern(protocol)
     shape = (header.frames, header.rows, header.cols)
     published = protocols.published_field(protocol) or [None, None, None]

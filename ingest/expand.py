@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from manifests.layout import MIRROR_RECORD
 from octfm import archives, cli, fsio
+from octfm.errors import DataError
 
 CHUNK = 4 << 20
 
@@ -149,8 +150,12 @@ def manifest_paths(source: str, members: list[archives.Member]) -> dict[str, str
 
     try:
         uri = manifest_build.table_uri(source, None, manifest_build.OCT_MANIFEST_AT, "manifest.tsv", "OCT_MANIFEST")
+    except DataError:  # no manifest: the layout rule alone
+        return {}
+    try:
         rows = aireadi.parse_oct_manifest(fsio.read_text(uri), where=uri)
-    except Exception:  # noqa: BLE001 - no readable manifest: the layout rule alone
+    except DataError as exc:
+        print(f"expand: warning: {exc}; members are written by the layout rule alone", file=sys.stderr)
         return {}
     wanted = []
     for p in rows["filepath"]:
@@ -188,7 +193,8 @@ def expand(source: str, dst: str, workers: int = 4, progress: bool = True) -> di
         results += [{"path": m.relpath, "status": "failed", "bytes": 0,
                      "error": f"duplicate: {rel} holds a path already in {holder}"} for m, holder in dups]
         jobs[rel] = keep
-    moved = manifest_paths(source, [m for ms in jobs.values() for m in ms])
+    moved = {m: rel for m, rel in manifest_paths(source, [m for ms in jobs.values() for m in ms]).items()
+             if rel not in seen}  # never onto a path a plain file or another member already writes
     jobs = {rel: [dataclasses.replace(m, relpath=moved.get(m.relpath, m.relpath)) for m in ms]
             for rel, ms in jobs.items()}
     fsio.remove_stale_temps(dst, recursive=True)  # temp files of a run killed mid-write

@@ -35,15 +35,20 @@ def frame_traces(ds) -> list[np.ndarray] | None:
     for g in groups:
         loc = g.get("OphthalmicFrameLocationSequence")
         coords = loc[0].get("ReferenceCoordinates") if loc else None
-        if coords is None or len(coords) < 2 or len(coords) % 2:
+        try:
+            values = [float(v) for v in coords]   # a single value is not a sequence: TypeError
+        except (TypeError, ValueError):
             return None
-        out.append(np.asarray([float(v) for v in coords], dtype=np.float64).reshape(-1, 2))
+        if len(values) < 2 or len(values) % 2 or not np.isfinite(values).all():
+            return None
+        out.append(np.asarray(values, dtype=np.float64).reshape(-1, 2))
     return out
 
 
 def _lines(traces: list[np.ndarray]) -> np.ndarray:
-    """[n, 2, 2]: the straight traces (two points each) as (start, end)."""
-    return np.stack([t for t in traces if len(t) == 2]) if any(len(t) == 2 for t in traces) else np.empty((0, 2, 2))
+    """[n, 2, 2]: the straight traces (two points each, of some length) as (start, end)."""
+    lines = [t for t in traces if len(t) == 2 and np.linalg.norm(t[1] - t[0]) > 0]
+    return np.stack(lines) if lines else np.empty((0, 2, 2))
 
 
 def scan_pattern(traces: list[np.ndarray] | None) -> str | None:
@@ -51,7 +56,7 @@ def scan_pattern(traces: list[np.ndarray] | None) -> str | None:
     if not traces:
         return None
     lines = _lines(traces)
-    curved = len(traces) - len(lines)
+    curved = sum(len(t) > 2 for t in traces)   # a trace of many points: a circle or another curve
     if len(lines) == 0:
         return None
     if len(traces) == 1:
@@ -61,11 +66,12 @@ def scan_pattern(traces: list[np.ndarray] | None) -> str | None:
     length = float(np.median(np.linalg.norm(vec, axis=1)))
     if length <= 0:
         return None
-    unit = vec / np.linalg.norm(vec, axis=1, keepdims=True).clip(1e-12)
+    unit = vec / np.linalg.norm(vec, axis=1, keepdims=True)
+    ref = unit[int(np.argmax(np.linalg.norm(vec, axis=1)))]    # the longest line's direction
     mid = (start + end) / 2
-    sin = np.abs(unit[:, 0] * unit[0, 1] - unit[:, 1] * unit[0, 0])
+    sin = np.abs(unit[:, 0] * ref[1] - unit[:, 1] * ref[0])
     if sin.max() < PARALLEL_SIN and not curved:
-        normal = np.array([-unit[0, 1], unit[0, 0]])
+        normal = np.array([-ref[1], ref[0]])
         offsets = mid @ normal
         return LINE if np.ptp(offsets) < SAME_LINE * length else RASTER
     spread = np.linalg.norm(mid - mid.mean(axis=0), axis=1).max()

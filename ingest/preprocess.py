@@ -112,7 +112,7 @@ def aa_weights(n_in: int, n_out: int, scale: float | None = None) -> np.ndarray:
     triangle filter widened by the scale when shrinking, rows normalised to sum 1; the same
     weights torch's F.interpolate(mode="bilinear", antialias=True, align_corners=False) uses.
     `scale` (input voxels per output voxel; default n_in / n_out) fixes the output voxel size
-    instead: an output voxel that reads no input then has an all-zero row (padding)."""
+    instead (spacing_axis); a row that would read no input stays all zeros rather than dividing by 0."""
     scale = n_in / n_out if scale is None else scale
     support, inv = (scale, 1.0 / scale) if scale >= 1 else (1.0, 1.0)
     center = scale * (np.arange(n_out) + 0.5)
@@ -201,8 +201,8 @@ def rescale_resize(pixels: np.ndarray, lo: float, hi: float, target: tuple[int, 
     arithmetic); then rows and columns of the few output frames as banded products. Clipping
     is the only non-linear step and comes first, as in reference_resize; the map to 0..255
     folds into the frame weights and, as every weight row sums to 1, the offset `lo` is
-    subtracted once from the small output instead of from every source voxel (a padding row,
-    all zeros, comes out at -lo * scale and is clamped to 0)."""
+    subtracted once from the small output instead of from every source voxel. Padding is the
+    output's zeros outside the computed block (the plans' offsets)."""
     import torch  # here, not at module top: the driver process never needs it
 
     frames, rows, cols = pixels.shape

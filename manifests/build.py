@@ -79,10 +79,13 @@ def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str,
     return report
 
 
-def container(rel: str, info: dict) -> str:
+def container(rel: str, info: dict) -> str | None:
     """What holds a file, for telling the OCT data from the rest of a bucket: its archive, else
-    the folder above its participant folder (<device>/<participant>/<file>)."""
-    return info["archive"] or posixpath.dirname(posixpath.dirname(rel))
+    the folder above its participant folder (<device>/<participant>/<file>); None for a file
+    less deep than that (nothing to share with the OCT files)."""
+    if info["archive"]:
+        return info["archive"]
+    return posixpath.dirname(posixpath.dirname(rel)) if rel.count("/") >= 2 else None
 
 
 class Matcher:
@@ -219,7 +222,7 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
         row["manifest_error"] = error
         rows.append(row)
 
-    oct_containers = {container(f, listing[f]) for f in matcher.claimed}
+    oct_containers = {container(f, listing[f]) for f in matcher.claimed} - {None}
     ignored = []
     for rel in sorted(listing):
         if rel in matcher.claimed or not rel.lower().endswith(".dcm"):

@@ -81,3 +81,21 @@ def test_grid_mode_is_the_plain_stretch():
     lo, hi = prep.window(vol, prep.PreprocessConfig())
     np.testing.assert_array_equal(res.volume, prep.rescale_resize(vol, lo, hi, (6, 20, 25)))
     assert res.spacing_mm == pytest.approx([0.2, 0.02, 0.04]) and res.crop_pad is None
+
+
+def test_broken_or_degenerate_traces_never_fail_a_file():
+    """A Reference Coordinates of one value is no trace (the file keeps its order and its protocol's
+    pattern, never an internal error), and a zero-length first line does not make a raster a line."""
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    loc = Dataset()
+    loc.ReferenceCoordinates = 5.0
+    group = Dataset()
+    group.OphthalmicFrameLocationSequence = Sequence([loc])
+    ds = Dataset()
+    ds.PerFrameFunctionalGroupsSequence = Sequence([group, group])
+    assert geometry.frame_traces(ds) is None
+    raster = traces("cirrus mac cube 512x128 oct")
+    raster[0] = np.array([[10.0, 10.0], [10.0, 10.0]])
+    assert geometry.scan_pattern(raster) == "raster" and geometry.raster_flips(raster) == []

@@ -91,7 +91,9 @@ def test_two_files_with_one_name_are_an_ambiguity_naming_both(tmp_path):
     first = pd.read_csv(f"{root}/manifest.tsv", sep="\t", dtype=str).filepath[0]
     name = first.rsplit("/", 1)[1]
     (tmp_path / "repack" / "copies").mkdir()
-    shutil.copy(next(p for p in (tmp_path / "repack").rglob("*.zip")), tmp_path / "repack" / "copies" / "a.zip")
+    device = first.split("/")[3]                                   # .../structural_oct/<device>/<pid>/<file>
+    other = next(d for d in synth.DEVICES if d != device)          # an archive that does not hold `first`
+    shutil.copy(tmp_path / "repack" / other / f"{other}.zip", tmp_path / "repack" / "copies" / "a.zip")
     with zipfile.ZipFile(tmp_path / "repack" / "copies" / "b.zip", "w") as zf:
         zf.writestr(f"x/{name}", b"another file of the same name")
     got, summary = rows_by_relpath(root)
@@ -213,3 +215,46 @@ def test_expand_writes_a_repacked_buckets_members_at_the_manifests_paths(tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     got, summary = rows_by_relpath(str(tmp_path / "plain_again"))
     assert summary["by_path"] == len(got) and summary["by_name"] == 0 and got.manifest_error.isna().all()
+
+
+def test_a_skip_decided_by_name_leaves_the_header_to_decide_later(tmp_path):
+    """A row skipped before its file was read (here by device) keeps no reading of the scan: under a
+    selection that wants it, its header decides (a raster file whose name says no protocol is cached),
+    exactly as on a fresh cache."""
+    root = tree(tmp_path, participants=4)
+    victim = next(p for p in (tmp_path / "plain").rglob("*spectralis_ppol*_r_*.dcm"))
+    tsv = f"{root}/retinal_oct/manifest.tsv"
+    df = pd.read_csv(tsv, sep="\t", dtype=str, keep_default_na=False)
+    rel = str(victim.relative_to(tmp_path / "plain"))
+    renamed = victim.with_name("scan_without_a_protocol.dcm")
+    victim.rename(renamed)
+    df.loc[df.filepath == "/" + rel, "filepath"] = "/" + str(renamed.relative_to(tmp_path / "plain"))
+    df.to_csv(tsv, sep="\t", index=False)
+    cache = str(tmp_path / "cache")
+    only_triton = config.load(CacheConfig, None, [SHAPE, "select.device=[topcon_triton]"])
+    first = {r["relpath"]: r for r in cache_build.build(root, cache, only_triton, progress=False)}
+    key = str(renamed.relative_to(tmp_path / "plain"))
+    assert first[key]["status"] == "skipped" and first[key]["skip_reason"].startswith("not selected: device")
+    again = {r["relpath"]: r for r in cache_build.build(root, cache, config.load(CacheConfig, None, [SHAPE]),
+                                                         progress=False)}
+    assert again[key]["status"] == "ok" and again[key]["scan_pattern"] == "raster", again[key]["skip_reason"]
+
+
+def test_a_header_name_the_table_does_not_know_keeps_the_file_names_protocol(tmp_path):
+    """Zeiss keeps its own Protocol Name in Cirrus headers: a name the table does not know leaves the file
+    name's known protocol, its published pattern and field, in place."""
+    from cache.worker import process_row
+    from ingest import phantom
+    from manifests.protocols import PROTOCOLS
+
+    spec, protocol = synth.DEVICES["zeiss_cirrus"], PROTOCOLS["cirrus mac cube 512x128 oct"]
+    vol = phantom.make_volume((8, 64, 32), np.random.default_rng(3), "L")
+    ds = synth.make_dataset(vol, spec, (0.75, 0.002, 0.1875), participant="1", laterality="L", sop_uid="1.2.3.9",
+                            study_uid="1.2", series_uid="1.2.4", protocol_name="Macular Cube 512x128")
+    path = tmp_path / f"1_{protocol.file_id}_l_1.2.3.9.dcm"
+    path.write_bytes(synth.dicom_bytes(ds))
+    row = {"relpath": f"retinal_oct/structural_oct/zeiss_cirrus/1/{path.name}", "source": str(path), "cache_key": "k",
+           "device": "zeiss_cirrus", "protocol": protocols.from_file_name(path.name)}
+    out = process_row(row, config.to_dict(config.load(CacheConfig, None, [SHAPE])), str(tmp_path / "c"), "t")
+    assert out["status"] == "ok" and out["protocol"] == protocol.name and out["scan_pattern"] == "raster", out
+    assert out["field_mm"][0] == pytest.approx(6.0) and out["protocol_mismatch"] is None
