@@ -190,7 +190,11 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
     before = keys.recipe_name("configs/pretrain_check.yaml", cache, [])
     assert keys.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # an unchanged cache resumes
     tree(tmp_path, participants=6, seed=9)                   # same path, other files
+    stored = cache_build.layout.read_sources(cache)[0]
     capsys.readouterr()
+    # one shard of several keeps the stored rows (every host must split the same ones) and says so
+    assert cache_build.load_sources(root, cache, shards=2) == stored
+    assert "changed since" in capsys.readouterr().err
     rows = pd.DataFrame(cache_build.build(root, cache, cfg, progress=False))
     assert "changed since" in capsys.readouterr().out
     now, _ = rows_by_relpath(root)
