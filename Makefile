@@ -77,7 +77,7 @@ help:
 	@echo "make test-xla        the torch_xla 2.9 lane on the CPU backend (own venv under ~/.cache/octfm)"
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
-	@echo "make device-check OUT=<folder>   on a lent H100/H200: the ViT-B step (eager, pred_heads 6, cuDNN), vjepa2 beside it, the stem conv, compiled per block, the check step, a real run, CUDA tests; each within its predicted cost and cap"
+	@echo "make device-check OUT=<folder>   on a lent H100/H200: the ViT-B step (eager, pred_heads 12 beside the recipe's 6, cuDNN), vjepa2 beside it, the stem conv, compiled per block, the check step, a real run, CUDA tests; each within its predicted cost and cap"
 	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--reference-fraction 0.1']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
 	@echo "make xla-venv        the torch_xla lane's own venv under ~/.cache/octfm (make test-xla makes it)"
 

@@ -11,7 +11,7 @@ The items, in the order of what each tells per second of a ten-minute call (issu
 
 - environment: the card, torch and CUDA, the measured bf16 matmul rate (what MFU divides by);
 - production: the ViT-B step of configs/pretrain_multi_domain.yaml at its batch, bf16: eager,
-  with `model.pred_heads=6` (head dim 64), with cuDNN attention first; each with ms per step,
+  with `model.pred_heads=12` (head dim 32, the recipe before decision 61's 6 heads), with cuDNN attention first; each with ms per step,
   model FLOPs (torch.utils.flop_counter, on the eager step), MFU, the GPU's busy share
   (torch.profiler), and the peak memory beside `make plan`'s figure;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
@@ -105,7 +105,7 @@ class Item:
         return self.section if self.variant is None else f"{self.section}/{self.variant}"
 
 
-ORDER = ["environment", "production/eager", "production/pred_heads_6", "production/cudnn_attention", "reference",
+ORDER = ["environment", "production/eager", "production/pred_heads_12", "production/cudnn_attention", "reference",
          "stem_conv", "production/compiled", "check/eager", "check/compiled", "run", "cuda_tests"]
 
 
@@ -124,7 +124,7 @@ def predicted_costs(measured: dict = CPU_MEASURED, gpu: dict = GPU_ASSUMED) -> d
     return {
         "environment": g["cuda_init_s"] + 5.0,  # and the 8192^3 bf16 matmuls
         "production/eager": m["cache_s"] / g["parallel_x"] + measured_step,
-        "production/pred_heads_6": measured_step,
+        "production/pred_heads_12": measured_step,
         "production/cudnn_attention": measured_step + g["cudnn_graphs_s"],
         # octfm's and vjepa2's models, four batches of 8, each contender's steps at half the production batch
         "reference": start + m["trainer_s"] + m["batches_s"] * 32 / 48 + 2 * REFERENCE_STEPS * step / 2,
@@ -234,8 +234,9 @@ class Sizes:
 
         return {
             "eager": ([], {}, None),
-            # the predictor's head dim 64 (384 / 6) instead of 32; the dry run's 16-wide predictor: 16
-            "pred_heads_6": ([f"model.pred_heads={1 if self.dry else 6}"], {}, None),
+            # the predictor's head dim 32 (384 / 12), the recipe before decision 61 adopted 6 heads (head dim 64):
+            # what the adoption buys on the GPU; the dry run's 16-wide predictor: 16
+            "pred_heads_12": ([f"model.pred_heads={1 if self.dry else 12}"], {}, None),
             "cudnn_attention": ([], {attention.CUDNN_ENV: "1"}, None),
             "compiled": ([], {}, "blocks"),
         }

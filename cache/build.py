@@ -39,7 +39,8 @@ def cache_key(row: dict, cfg: CacheConfig) -> str:
     ident = {
         "relpath": row["relpath"], "size": row.get("size"), "version": row.get("source_version"),
         "sha1": row.get("expected_sha1"), "md5": row.get("expected_md5"),
-        "params": {k: p[k] for k in OUTPUT_KEYS}, "code": prep.CODE_VERSION,
+        "params": {k: p[k] for k in OUTPUT_KEYS if not (k == "spacing_mm" and p["resample"] == "grid")},
+        "code": prep.CODE_VERSION,
     }
     return config.content_key(ident, 20)
 

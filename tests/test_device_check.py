@@ -22,14 +22,14 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
         isinstance(x, dict) and ("error" in x or "skipped" in x) for x in v.values()))}
     assert res["dry_run"] and not errors, errors
     assert res["environment"]["matmul_bf16_tflops"] > 0
-    prod = res["production"]  # the production step first: eager, compiled, cuDNN first, head dim 64 in the predictor
-    assert set(prod) - {"section_s"} == {"eager", "compiled", "cudnn_attention", "pred_heads_6"}
+    prod = res["production"]  # the production step first: eager, compiled, cuDNN first, head dim 32 in the predictor (the recipe before decision 61)
+    assert set(prod) - {"section_s"} == {"eager", "compiled", "cudnn_attention", "pred_heads_12"}
     eager = prod["eager"]
     assert eager["step_s"] > 0 and eager["flops_per_step"] > 0 and eager["mfu"] > 0 and eager["tokens_per_s"] > 0
     assert eager["batch"] == 2 and eager["plan_peak_gib"] > 0 and eager["peak_gib"] is None  # no GPU memory here
     # a compiled step's FLOPs are the eager one's (a dispatch mode would retrace it); the head-dim change has its own
     assert prod["compiled"]["compile"] and prod["compiled"]["flops_per_step"] == eager["flops_per_step"]
-    assert prod["pred_heads_6"]["flops_per_step"] > 0
+    assert prod["pred_heads_12"]["flops_per_step"] > 0
     # a CPU has no datasheet peak: MFU is taken against the bf16 matmul measured at one size, which the step's
     # own mix can outrun (on an AMD EPYC without bf16 units it did: 1.05), so no upper bound holds here
     assert res["environment"]["datasheet_bf16_tflops"] is None and "mfu_of_datasheet" not in eager
@@ -49,7 +49,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
     md = (out / "device_check.md").read_text()
     for line in ("MFU of the production (ViT-B) step in bf16 at batch 2", "octfm / vjepa2: not measured",
                  "data wait in a real make pretrain (8 steps", "CUDA tests: 0 passed", "the check's step at batch 2: eager",
-                 "make plan against the measured peak: not measured", "| pred_heads_6 |",
+                 "make plan against the measured peak: not measured", "| pred_heads_12 |",
                  "bf16): where a step's time goes (torch.profiler)", "eager: host time in ops and runtime calls"):
         assert line in md, md
     assert not (out / "work").exists()

@@ -262,3 +262,15 @@ def test_a_header_name_the_table_does_not_know_keeps_the_file_names_protocol(tmp
     out = process_row(row, config.to_dict(config.load(CacheConfig, None, [SHAPE])), str(tmp_path / "c"), "t")
     assert out["status"] == "ok" and out["protocol"] == protocol.name and out["scan_pattern"] == "raster", out
     assert out["field_mm"][0] == pytest.approx(6.0) and out["protocol_mismatch"] is None
+
+
+def test_the_cache_key_holds_spacing_mm_only_where_it_shapes_the_volume():
+    """Under `grid`, spacing_mm changes no byte: a config edit there must not rebuild a grid cache (the
+    learning check's cohorts) from scratch; under `spacing` it must."""
+    row = {"relpath": "retinal_oct/x.dcm", "size": 1, "source_version": "v"}
+
+    def key(**pre):
+        return cache_build.cache_key(row, config.from_dict(CacheConfig, {"preprocess": pre}))
+
+    assert key(resample="grid", spacing_mm=[0.1, 0.006, 0.02]) == key(resample="grid", spacing_mm=[0.2, 0.006, 0.02])
+    assert key(resample="spacing", spacing_mm=[0.1, 0.006, 0.02]) != key(resample="spacing", spacing_mm=[0.2, 0.006, 0.02])

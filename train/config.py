@@ -56,7 +56,7 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     pred_dim: int = 384
     pred_depth: int = 6
-    pred_heads: int = 12
+    pred_heads: int = 6
 
 
 @dataclasses.dataclass
