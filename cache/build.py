@@ -146,7 +146,7 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
         if reason is not None:
             kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1")} if read else {}
             done.append({**row, **kept, "status": "skipped", "skip_reason": reason, "code_version": prep.CODE_VERSION,
-                         "reused": bool(read)})
+                         "reused": bool(same)})  # decided again without work: as before
             continue
         vol = volume_path(row["relpath"])
         if vol in arrays:
