@@ -52,7 +52,7 @@ def test_thousands_of_volumes_build_in_bounded_memory(tmp_path):
             sys.executable, "-m", "cache.build", "--source", str(src), "--cache", str(cache), "--no-progress",
             "preprocess.target_shape=[8,32,32]", "workers=2", "flush_every_s=2"], tmp_path / f"{name}.log")
         df = pd.read_parquet(cache / "manifest.parquet")
-        assert len(df) == n and (df.status == "ok").all(), df.error.value_counts()
+        assert len(df) == n and (df.status == "ok").sum() == (df.scan_pattern == "raster").sum() and (df.status != "failed").all(), df.error.value_counts()
         sizes[name] = (n, driver, child, time.perf_counter() - t0)
     print("\nload:", {k: f"{n} volumes, driver {d:.0f} MB, worker {c:.0f} MB, {s:.1f}s" for k, (n, d, c, s) in sizes.items()})
     (_, d_small, c_small, _), (n_large, d_large, c_large, _) = sizes["small"], sizes["large"]
