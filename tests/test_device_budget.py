@@ -73,6 +73,7 @@ def test_an_item_starts_only_when_its_prediction_fits_and_says_so():
                                                                   ("run", "15 s of budget needed, 10 s left")]
 
 
+@pytest.mark.slow  # processes stopped at their caps, about 3 s: the heavy lane
 def test_an_item_past_its_cap_is_stopped_and_the_next_still_runs(tmp_path):
     """In-process work is stopped by an alarm at the cap; a subprocess by its timeout (what it
     printed before is kept); the result says where it stopped, beside its prediction."""
@@ -161,6 +162,7 @@ def test_the_stem_convolution_is_timed_with_cudnn_benchmark_off_and_on(tmp_path)
     assert "torch.backends.cudnn.benchmark" in md and "| on |" in md
 
 
+@pytest.mark.slow  # a device check stopped by a signal, about 4 s: the heavy lane
 def test_a_stopped_call_removes_its_scratch_folder(tmp_path):
     """`timeout` sends SIGTERM: the scratch folder goes in the `finally`, and OUT holds results only."""
     out, work = tmp_path / "out", tmp_path / "scratch"

@@ -169,6 +169,7 @@ def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_igno
         config.load(CacheConfig, "configs/cache.yaml", ["select.scan_pattern=[cube]"])
 
 
+@pytest.mark.slow  # three cache builds, about 6 s: the heavy lane
 def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path):
     """Rows read once keep their header's reading: widening `select` caches the radial scans
     without re-reading the others, narrowing it again skips them without reading anything."""

@@ -39,6 +39,7 @@ def _saved_at_the_end(ft, progress: bool = True) -> dict:
     return {}
 
 
+@pytest.mark.slow  # a cohort screen built and a run saved, about 13 s: the heavy lane
 def test_a_screen_with_a_plant_does_not_reuse_a_run_trained_without_it(signal_cache, tmp_path, monkeypatch):
     """`check.cohort_screen --plant N` over an --out whose reference trained without the plant: the
     plant is part of the run's settings, so the unplanted run is not taken for the planted one (its
