@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import verdict
+from cache.config import CacheConfig
 from ingest import phantom, synth
 from ingest import preprocess as prep
 from manifests.protocols import PROTOCOLS, RASTER
@@ -65,7 +66,7 @@ def run(workdir: Path, quick: bool = False):
     import torch
 
     torch.set_num_threads(1)  # as a build worker runs
-    base = config.load(__import__("cache.config", fromlist=["CacheConfig"]).CacheConfig, CACHE_CONFIG).preprocess
+    base = config.load(CacheConfig, CACHE_CONFIG).preprocess
     grid = config.from_dict(prep.PreprocessConfig, {**config.to_dict(base), "resample": "grid"})
     spacing = config.from_dict(prep.PreprocessConfig, {**config.to_dict(base), "resample": "spacing"})
     repeat = 1 if quick else 3

@@ -65,8 +65,7 @@ def describe_scan(row: dict, header) -> dict:
         field[0] = None
     known = all(s > 0 for s in spacing)
     return {"protocol": protocol, "scan_pattern": pattern, "field_mm": field, "native_shape": list(shape),
-            "spacing": tuple(spacing) if known or header.spacing_mm else None, "mismatch": mismatch,
-            "device": row.get("device"), "anatomic_region": row.get("anatomic_region")}
+            "spacing": tuple(spacing) if known or header.spacing_mm else None, "mismatch": mismatch}
 
 
 def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> bytes:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -48,6 +49,23 @@ def train_here(*args: str) -> str:
     with contextlib.redirect_stdout(out):
         assert pretrain.main(["--config", str(REPO / "configs" / "pretrain_smoke.yaml"), "--no-progress", *args]) == 0
     return out.getvalue()
+
+
+def keys_after_edits(tmp_path: Path, monkeypatch, packages, keys, edits: Sequence[str]) -> list:
+    """The kept results' keys (`keys()`) over a copy of `packages`' sources, first as they are, then after
+    each file of `edits` (repository paths) gets a comment appended: for tests that an edit to a file a
+    result's code imports makes it afresh, and one elsewhere keeps it."""
+    from octfm import config
+
+    for package in set(packages):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
+    out = [keys()]
+    for path in edits:
+        with open(tmp_path / path, "a") as f:
+            f.write("\n# an edit\n")
+        out.append(keys())
+    return out
 
 
 def assert_same_cache(cache: Path, clean: Path, except_paths: tuple[str, ...] = ()) -> None:

@@ -170,18 +170,22 @@ def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_igno
 
 
 @pytest.mark.slow  # three cache builds, about 6 s: the heavy lane
-def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path):
+def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path, capsys):
     """Rows read once keep their header's reading: widening `select` caches the radial scans
     without re-reading the others, narrowing it again skips them without reading anything."""
     root = tree(tmp_path, participants=4)
     cache = str(tmp_path / "cache")
     base = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
     first = pd.DataFrame(cache_build.build(root, cache, base, progress=False))
+    radial = (first.scan_pattern == "radial").sum()
     wide = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "select.scan_pattern=[raster,radial]"])
+    capsys.readouterr()
     second = pd.DataFrame(cache_build.build(root, cache, wide, progress=False))
-    assert (second.status == "ok").all() and (second.status == "ok").sum() > (first.status == "ok").sum()
+    assert (second.status == "ok").all() and (second.status == "ok").sum() == (first.status == "ok").sum() + radial
+    assert f"{len(first) - radial} reused, {radial} processed" in capsys.readouterr().out   # only the radial ones read
     third = pd.DataFrame(cache_build.build(root, cache, base, progress=False))
     assert list(third.status) == list(first.status)
+    assert f"{len(first)} reused, 0 processed" in capsys.readouterr().out                 # nothing read
 
 
 def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):

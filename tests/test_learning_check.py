@@ -154,23 +154,15 @@ def test_the_import_closure_follows_every_kind_of_import(tmp_path, monkeypatch):
 
 
 def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_not(tmp_path, monkeypatch):
-    import shutil
+    from conftest import REPO, keys_after_edits
 
-    from conftest import REPO
-    from octfm import config
-
-    for package in {f.split("/")[0] for f in keys.keyed_files(keys.FINETUNE_CODE)} | {"train"}:
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
     cfg = str(REPO / "configs/pretrain_check.yaml")
     names = lambda: (keys.recipe_name(cfg, "c", []), keys.finetune_tag("random", 0.1, None, 0))  # noqa: E731
-    before = names()
-    with open(tmp_path / "train/plan.py", "a") as f:
-        f.write("\n# an edit\n")
-    assert names() == before
-    with open(tmp_path / "train/schedule.py", "a") as f:
-        f.write("\n# an edit\n")
-    assert all(a != b for a, b in zip(names(), before))
+    packages = {f.split("/")[0] for f in keys.keyed_files(keys.FINETUNE_CODE)} | {"train"}
+    before, plan_edited, after = keys_after_edits(tmp_path, monkeypatch, packages, names,
+                                                  ["train/plan.py", "train/schedule.py"])
+    assert plan_edited == before
+    assert all(a != b for a, b in zip(after, before))
 
 
 @pytest.mark.slow  # five subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_train_args, train_here
+from conftest import REPO, keys_after_edits, tiny_train_args, train_here
 from octfm import cli, config
 from train import checkpoint, runtime
 
@@ -91,9 +91,6 @@ def test_kept_features_embeddings_and_leaderboard_rows_are_keyed_on_their_code(t
     from evals.config import ProbeConfig
     from train.config import TrainConfig
 
-    for package in {f.split("/")[0] for f in config.import_closure("evals/probe.py", "train/plan.py")}:
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
     ident, cfg = {"step": 2, "name": "step_0000002.pt"}, TrainConfig()
     rows = [{"relpath": "a.dcm", "cache_key": "k"}]
 
@@ -101,13 +98,10 @@ def test_kept_features_embeddings_and_leaderboard_rows_are_keyed_on_their_code(t
         return (features.feature_key(ident, rows, cfg, (1, 2, 2)), embed.embed_key(ident, cfg, "c"),
                 leaderboard.settings_key(ProbeConfig()))
 
-    before = keys()
-    with open(tmp_path / "train/plan.py", "a") as f:
-        f.write("\n# an edit\n")
-    assert keys() == before
-    with open(tmp_path / "train/model.py", "a") as f:
-        f.write("\n# an edit\n")
-    after = keys()
+    packages = {f.split("/")[0] for f in config.import_closure("evals/probe.py", "train/plan.py")}
+    before, plan_edited, after = keys_after_edits(tmp_path, monkeypatch, packages, keys,
+                                                  ["train/plan.py", "train/model.py"])
+    assert plan_edited == before
     assert [a != b for a, b in zip(after, before)] == [True, True, True], (before, after)
 
 
