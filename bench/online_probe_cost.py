@@ -42,7 +42,7 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
             p.grad = p.detach() * 1e-3
         fn()
 
-    ok = tr.loss_mean.new_ones((), dtype=bool)
+    ok = tr.guard.loss_mean.new_ones((), dtype=bool)
     plain_s = timed(lambda: grads_then(tr.opt.step), steps)
     guarded_s = timed(lambda: grads_then(lambda: guarded_step(tr.opt, ok)), steps)
     select_s = timed(lambda: grads_then(lambda: guarded_step(tr.opt, ok, "select")), steps)

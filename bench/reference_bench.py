@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench import verdict
+from bench.recipe_bench import PLAIN
 from bench.train_bench import CPU, SMOKE, VITS, _make_cache
 
 TARGET = 1.5  # issue 27: octfm's step at least 1.5x the reference's at equal work
@@ -232,7 +233,7 @@ def run(workdir: Path, quick: bool = False):
     workdir.mkdir(parents=True)
     cache = _make_cache(workdir)
     shim = timm_shim(workdir)
-    base = [f"data.cache={cache}", f"runs_dir={workdir / 'runs'}"] + CPU + VITS
+    base = [f"data.cache={cache}", f"runs_dir={workdir / 'runs'}"] + CPU + VITS + PLAIN  # vjepa2 has no stem, no local term
     res = measure_steps(src, shim, SMOKE, base, warmup=3 if quick else 5, rounds=2 if quick else 5, steps=3 if quick else 8)
     shutil.rmtree(workdir, ignore_errors=True)
     return summarise(res, src, shim, "ViT-S class (dim 384, depth 6, heads 6; predictor 192 x 4), 32x96x96, tubelet "

@@ -52,12 +52,13 @@ def load_backbone(cfg: FinetuneConfig) -> Backbone:
 
 def folder_encoder(folder: str) -> tuple[Encoder, TrainConfig, dict]:
     """A model folder's encoder and a training config that rebuilds it (architecture, stride,
-    input shape), so the best epoch is saved in the checkpoint format every stage reads."""
+    input shape; the rest, data.scale among it, the recipe's defaults), so the best epoch is saved
+    in the checkpoint format every stage reads."""
     conf = encoder.read_config(folder)
     module = encoder.load_encoder(folder)
     if (module.mean, module.std) != (data.PIXEL_MEAN, data.PIXEL_STD):
         raise cli.UsageError(f"{folder}/{encoder.CONFIG_FILE}: normalization {conf['normalization']} is not the "
                              f"trainer's ({data.PIXEL_MEAN}, {data.PIXEL_STD}); fine-tuning would feed it other inputs")
     tcfg = TrainConfig(model=encoder.architecture(conf), data=DataConfig(
-        cache=(conf.get("cache") or {}).get("uri") or "data/cache", stride=module.stride, input_shape=module.input_shape))
+        cache=conf["cache"]["uri"], stride=module.stride, input_shape=module.input_shape))
     return module.encoder, tcfg, {"model_folder": str(folder), **checkpoint.identity(str(Path(folder) / encoder.WEIGHTS_FILE))}

@@ -12,7 +12,7 @@ import torch
 
 from octfm import config, fsio
 from train import checkpoint, encoder, runtime
-from train.config import TrainConfig
+from train.config import TrainConfig, saved_config
 from train.model import Encoder
 
 # What makes the features (the encoder's forward and pooling, the crops it reads): with their inputs it keys them,
@@ -35,7 +35,7 @@ def checkpoint_encoder(ckpt: str | None, seed: int = 0, train_cfg: TrainConfig |
     identity are of one file, even when a save lands meanwhile."""
     if ckpt:
         ckpt, st = (ckpt, state) if state is not None else checkpoint.load_named(ckpt)
-        cfg = config.from_dict(TrainConfig, st["config"], where=f"{ckpt} (config)")
+        cfg = saved_config(st["config"], ckpt)
         enc = Encoder(cfg.model, cfg.data.input_shape)
         enc.load_state_dict(st["target"])
         # checkpoint.identity (name, size, time), not the path as spelled: one key however CKPT is written

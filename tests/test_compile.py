@@ -14,9 +14,9 @@ SMOKE = "configs/pretrain_smoke.yaml"
 
 
 def _trainer(cache, runs, compiled: bool) -> pretrain.Trainer:
-    # the learning check's architecture in small: stem, peak pooling, the local term
+    # the recipe in small (stem, peak pooling, the local term: the defaults), a stem of 4 channels
     cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, runs, **{
-        "compile": str(compiled).lower(), "model.stem": "[4]", "model.stem_pool": "max", "loss.local": 1.0}))
+        "compile": str(compiled).lower(), "model.stem": "[4]"}))
     tr = pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
     tr.lr.fill_(1e-3)
     tr.momentum.fill_(0.99)

@@ -52,33 +52,75 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.parametrize("check_name", ["pretrain_check", "pretrain_check_gpu"])
-def test_check_recipe_is_the_production_recipe_at_check_size(check_name):
-    """configs/pretrain_check.yaml (and its GPU size, pretrain_check_gpu.yaml) differs from
-    configs/pretrain_multi_domain.yaml only in the keys its header lists (size and run settings):
-    what the learning check proves is what users run."""
-    from octfm import config
+PRETRAIN = ["pretrain_smoke", "pretrain_check", "pretrain_check_gpu", "pretrain_multi_domain", "pretrain_single_domain"]
+# What a pretraining config may set: its size (optim.ema with it: a short run needs a faster target)
+# and where and how it runs. Never the recipe's own keys (the architecture's kinds, the loss, the
+# masks, the augmentation, the optimiser's settings): train/config.py's defaults carry them.
+SIZE_KEYS = {"batch_size", "max_steps", "data.input_shape", "model.dim", "model.depth", "model.heads", "model.pred_dim",
+             "model.pred_depth", "model.pred_heads", "optim.lr", "optim.start_lr", "optim.final_lr",
+             "optim.warmup_steps", "optim.ema"}
+RUN_KEYS = {"name", "device", "precision", "log_every", "val_every", "val_batches", "eval_every", "ckpt_every",
+            "keep_last", "data.cache", "data.stride", "data.workers", "data.devices", "wandb.enabled"}
+
+
+@pytest.mark.parametrize("name", PRETRAIN)
+def test_pretrain_configs_state_only_their_size_and_run_keys_off_the_defaults(name):
+    """The defaults are the recipe (docs/recipe.md): each config sets only size and run keys, each
+    at a value other than its default (a restated default would hide a later change of the recipe),
+    so the demo, the learning check and production train the one recipe at their sizes."""
+    import yaml
+
     from train.config import TrainConfig
 
-    def load(name):
-        return _flat(config.to_dict(config.load(TrainConfig, f"configs/{name}.yaml", [])))
+    raw = _flat(yaml.safe_load(open(f"configs/{name}.yaml")))
+    loaded = _flat(config.to_dict(config.load(TrainConfig, f"configs/{name}.yaml")))
+    default = _flat(config.to_dict(TrainConfig()))
+    assert set(raw) <= SIZE_KEYS | RUN_KEYS, f"recipe keys set: {sorted(set(raw) - SIZE_KEYS - RUN_KEYS)}"
+    assert [k for k in raw if loaded[k] == default[k]] == [], "keys set at their default"
+    if name == "pretrain_single_domain":
+        prod = _flat(config.to_dict(config.load(TrainConfig, "configs/pretrain_multi_domain.yaml")))
+        assert {k for k in prod if prod[k] != loaded[k]} == {"name", "data.devices"}
 
-    prod, check = load("pretrain_multi_domain"), load(check_name)
-    differ = {k for k in prod.keys() | check.keys() if prod.get(k) != check.get(k)}
-    listed, in_list = set(), False
-    for ln in open(f"configs/{check_name}.yaml"):             # the header's "size:" and "run:" lists
-        if not ln.startswith("#"):
-            break
-        body = ln[1:].strip()
-        if body.startswith(("size:", "run:")):
-            in_list, body = True, body.split(":", 1)[1]
-        elif not ln.startswith("#      "):
-            in_list = False
-        if in_list:
-            listed.update(body.split())
-    assert "model.dim" in listed and differ <= listed, f"not size or run settings: {sorted(differ - listed)}"
-    single = load("pretrain_single_domain")
-    assert {k for k in prod if prod[k] != single.get(k)} <= {"name", "data.devices"}
+
+@pytest.mark.parametrize("override", ["mask.repeats=2", "loss.context=1", "loss.local_stat=mean"])
+def test_a_removed_key_is_refused_by_name(override):
+    """Keys of modes the recipe left (docs/history/learning-check.md) are gone, not ignored."""
+    from train.config import TrainConfig
+
+    key = override.split("=")[0]
+    with pytest.raises(config.ConfigError, match=rf"unknown key '{key}'"):
+        config.load(TrainConfig, "configs/pretrain_smoke.yaml", [override])
+
+
+def test_a_checkpoint_or_model_folder_from_before_the_cut_is_refused_naming_the_tag(tmp_path):
+    """A saved config whose keys differ from today's (older code wrote it) is refused with the tag
+    whose code reads it, never filled in with today's defaults (another encoder than its weights')."""
+    import copy
+    import json
+
+    from evals import features
+    from train import encoder
+    from train.config import TrainConfig, saved_config
+
+    now = config.to_dict(config.load(TrainConfig, "configs/pretrain_check.yaml"))
+    assert saved_config(now, "new.pt") == config.load(TrainConfig, "configs/pretrain_check.yaml")
+    old = copy.deepcopy(now)
+    old["mask"]["repeats"] = 1
+    old["loss"].update(context=0.0, local_stat="mean")
+    with pytest.raises(config.ConfigError, match=r"^old\.pt: a checkpoint \(its config has loss\.context, loss\.local_stat, "
+                                                 r"mask\.repeats\) from before octfm's v1 cut; .*\(git checkout results-2026-12\)$"):
+        features.checkpoint_encoder("old.pt", state={"config": old, "target": {}, "step": 0})
+    older = copy.deepcopy(now)
+    del older["model"]["stem"], older["model"]["stem_pool"]
+    with pytest.raises(config.ConfigError, match=r"older\.pt: a checkpoint \(lacks model\.stem, model\.stem_pool\) from before.*results-2026-12"):
+        saved_config(older, "older.pt")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    arch = {k: v for k, v in now["model"].items() if k in encoder.ARCH_KEYS and k != "pool"}
+    (folder / encoder.CONFIG_FILE).write_text(json.dumps(
+        {"format": encoder.FORMAT, "format_version": encoder.FORMAT_VERSION, "architecture": arch}))
+    with pytest.raises(config.ConfigError, match=r"config\.json: a model folder \(its architecture lacks pool\) from before .*results-2026-12"):
+        encoder.read_config(folder)
 
 
 def test_shipped_configs_are_the_defaults():

@@ -97,6 +97,6 @@ def test_export_names_an_objective_that_is_not_plain_vjepa(tiny_cache, tmp_path)
     assert r.returncode == 0, r.stderr
     loss = json.loads((out / "config.json").read_text())["loss"]
     assert loss["local"] == 1.0 and loss["latent"] == 1.0
-    assert loss["objective"] == "V-JEPA latent prediction + local intensity term (tubelet max/min cells), weights 1 / 1"
+    assert loss["objective"] == "V-JEPA latent prediction + local intensity term (tubelet mean cells), weights 1 / 1"
     card = (out / "README.md").read_text()
     assert "a V-JEPA 3D ViT encoder" not in card and f"Pretrained with: {loss['objective']}." in card

@@ -109,7 +109,7 @@ def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
     from train.config import ModelConfig
     from train.model import Encoder
 
-    plain = ModelConfig(tubelet=(4, 16, 16), dim=32, depth=1, heads=2)
+    plain = ModelConfig(tubelet=(4, 16, 16), stem=(), stem_pool="none", dim=32, depth=1, heads=2)
     stem = ModelConfig(tubelet=(4, 16, 16), stem=(8, 16), dim=32, depth=1, heads=2)
     x = torch.randn(2, 1, 16, 48, 48)
     a, b = Encoder(plain, (16, 48, 48)), Encoder(stem, (16, 48, 48))
@@ -124,7 +124,7 @@ def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
 def test_patchify_as_a_matmul_is_the_convolution(stem, stem_pool):
     """tokenize lays tubelets out as rows and multiplies (train/model.py patchify): the tokens
     and the gradients of the patch and peak weights equal the Conv3d modules' own, in the
-    grid's token order, so checkpoints written before it load and mean the same."""
+    grid's token order, so the weights keep the Conv3d layout."""
     import torch
     import torch.nn.functional as F
 
@@ -168,7 +168,7 @@ def test_peak_pooled_tokens_read_a_small_lesion_alike_anywhere_in_its_tubelet():
 
     torch.manual_seed(0)
     peak = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=(8,), stem_pool="max", dim=16, depth=1, heads=2), (8, 32, 32))
-    plain = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=(8,), dim=16, depth=1, heads=2), (8, 32, 32))
+    plain = Encoder(ModelConfig(tubelet=(4, 16, 16), stem=(8,), stem_pool="none", dim=16, depth=1, heads=2), (8, 32, 32))
     assert not torch.allclose(token(plain, (1, 4, 4)), token(plain, (2, 8, 10)))
     with torch.no_grad():
         peak.patch.weight.zero_()
@@ -240,27 +240,27 @@ def test_one_tokenisation_per_step_gives_the_per_mask_set_loss_and_gradients():
 
 
 def test_local_term_reads_each_context_token_own_tubelet_cells():
-    """loss.local: a bright voxel and a dark one show up in the max and min cells of the token
-    whose tubelet holds them (the patchify's order), at the cell where they sit; the term adds a
-    head and a gradient to the encoder, and a cell that does not divide the tubelet is refused."""
+    """loss.local: a bright voxel and a dark one shift the mean of the cell where they sit, in the
+    token whose tubelet holds them (the patchify's order), by their value / cell voxels; the term
+    adds a head and a gradient to the encoder, a padding slot does not count, and a cell that does
+    not divide the tubelet is refused."""
     import torch
 
     from train.config import LossConfig, ModelConfig
     from train.model import JEPA, gather_tokens, local_cells
 
     x = torch.zeros(1, 1, 8, 32, 64)            # grid 2 x 2 x 4 of 4 x 16 x 16 tubelets
-    x[0, 0, 5, 20, 37] = 3.0                    # token (1, 1, 2) = 1*8 + 1*4 + 2 = 14; cell (0, 1, 1)
-    x[0, 0, 2, 3, 60] = -2.0                    # token (0, 0, 3) = 3; cell (1, 0, 3)
+    x[0, 0, 5, 20, 37] = 3.2                    # token (1, 1, 2) = 1*8 + 1*4 + 2 = 14; cell (0, 1, 1) of 2 x 4 x 4 voxels
+    x[0, 0, 2, 3, 60] = -1.6                    # token (0, 0, 3) = 3; cell (1, 0, 3)
     cells = local_cells(x, (4, 16, 16), (2, 4, 4))
-    assert cells.shape == (1, 16, 64)
-    hi, lo = cells[0, :, :32], cells[0, :, 32:]
-    assert hi[14].reshape(2, 4, 4)[0, 1, 1] == 3.0 and hi.sum() == 3.0
-    assert lo[3].reshape(2, 4, 4)[1, 0, 3] == -2.0 and lo.sum() == -2.0
+    assert cells.shape == (1, 16, 32)
+    assert cells[0, 14].reshape(2, 4, 4)[0, 1, 1] == 3.2 / 32 and cells[0, 3].reshape(2, 4, 4)[1, 0, 3] == -1.6 / 32
+    assert torch.count_nonzero(cells) == 2
 
     cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
     torch.manual_seed(0)
-    plain, local = JEPA(cfg, (8, 32, 64)), JEPA(cfg, (8, 32, 64), LossConfig(local=1.0))
-    assert plain.local_head is None and local.local_head.out_features == 64
+    plain, local = JEPA(cfg, (8, 32, 64), LossConfig(local=0.0)), JEPA(cfg, (8, 32, 64), LossConfig())
+    assert plain.local_head is None and local.local_head.out_features == 32
     ctx, tgt = torch.tensor([[0, 3, 14, 15]]), torch.tensor([[1, 2]])
     targets = torch.zeros(1, 16, 16)
     loss = local(x, [(ctx, tgt, None)], targets)
@@ -272,7 +272,7 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         latent = (local.predictor(h, ctx, tgt) - gather_tokens(targets, tgt)).abs().mean()
         term = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean()
     assert torch.allclose(loss, latent + term, atol=1e-6)
-    ablation = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, local=1.0))  # loss.latent=0: the local term alone
+    ablation = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0))  # loss.latent=0: the local term alone
     ablation.load_state_dict(local.state_dict())
     assert torch.allclose(ablation(x, [(ctx, tgt, None)], targets), term, atol=1e-6)
     # a padded context: the padding slot (token 15, marked invalid) does not count in the term
@@ -282,74 +282,24 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         term_valid = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean(-1)[:, :3].mean()
         assert torch.allclose(ablation(x, [(ctx, tgt, valid)], targets), term_valid, atol=1e-6)
     with pytest.raises(ConfigError, match="loss.local_cell"):
-        JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_cell=(3, 4, 4)))
+        JEPA(cfg, (8, 32, 64), LossConfig(local_cell=(3, 4, 4)))
 
 
-def test_local_stat_chooses_what_each_cell_gives_the_local_head():
-    """loss.local_stat: mean gives each cell's mean voxel (a dot shifts its cell's mean by its
-    value / cell voxels), mean_maxmin the mean, max and min in that order; the head is sized to
-    match, and the default keeps decision 6's max/min cells and their name."""
-    import torch
+def test_the_objective_is_named_by_its_terms_and_a_loss_without_one_is_refused():
+    """objective(): a run with the local term is not called plain V-JEPA; the latent=0 ablation
+    says so; weights that leave no term are refused, naming the key."""
+    from train.config import LossConfig
+    from train.model import objective
 
-    from train.config import LossConfig, ModelConfig
-    from train.model import JEPA, local_cells, objective
-
-    x = torch.zeros(1, 1, 8, 32, 64)
-    x[0, 0, 5, 20, 37] = 3.2                    # token 14, cell (0, 1, 1) of 2 x 4 x 4 voxels
-    x[0, 0, 2, 3, 60] = -1.6                    # token 3, cell (1, 0, 3)
-    mean = local_cells(x, (4, 16, 16), (2, 4, 4), "mean")
-    assert mean.shape == (1, 16, 32)
-    assert mean[0, 14].reshape(2, 4, 4)[0, 1, 1] == 3.2 / 32 and mean[0, 3].reshape(2, 4, 4)[1, 0, 3] == -1.6 / 32
-    assert torch.count_nonzero(mean) == 2
-    both = local_cells(x, (4, 16, 16), (2, 4, 4), "mean_maxmin")
-    assert torch.equal(both, torch.cat([mean, local_cells(x, (4, 16, 16), (2, 4, 4))], -1))
-    cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
-    sizes = {k: JEPA(cfg, (8, 32, 64), LossConfig(local=1.0, local_stat=k)).local_head.out_features
-             for k in ("maxmin", "mean", "mean_maxmin")}
-    assert sizes == {"maxmin": 64, "mean": 32, "mean_maxmin": 96}
-    assert objective(LossConfig(local=1.0, local_stat="mean")) == (
+    assert objective(LossConfig()) == (
         "V-JEPA latent prediction + local intensity term (tubelet mean cells), weights 1 / 1")
-    assert LossConfig().local_stat == "maxmin"
-
-
-def test_context_term_regresses_the_predictor_at_the_context_tokens():
-    """loss.context: the predictor's outputs at the context positions are regressed (L1) on the
-    target features there, on top of the latent loss at the targets; padding slots do not count,
-    the term reaches the encoder through the predictor, and weight 0 is the loss as before."""
-    import torch
-
-    from train.config import LossConfig, ModelConfig
-    from train.model import JEPA, gather_tokens, objective
-
-    cfg = ModelConfig(tubelet=(4, 16, 16), dim=16, depth=1, heads=2, pred_dim=8, pred_depth=1, pred_heads=2)
-    torch.manual_seed(0)
-    plain, dense = JEPA(cfg, (8, 32, 64)), JEPA(cfg, (8, 32, 64), LossConfig(context=0.5))
-    dense.load_state_dict(plain.state_dict())  # the term adds no parameter
-    x, targets = torch.randn(1, 1, 8, 32, 64), torch.randn(1, 16, 16)
-    ctx, tgt = torch.tensor([[0, 3, 14, 15]]), torch.tensor([[1, 2]])
-    valid = torch.tensor([[True, True, True, False]])
-    for v, n in ((None, 4), (valid, 3)):
-        with torch.no_grad():
-            h = plain.encoder(x, ctx, v)
-            out = plain.predictor(h, ctx, tgt, v, with_context=True)
-            assert torch.allclose(out[:, 4:], plain.predictor(h, ctx, tgt, v), atol=1e-6)  # the target rows as before
-            latent = (out[:, 4:] - gather_tokens(targets, tgt)).abs().mean()
-            term = (out[:, :4] - gather_tokens(targets, ctx)).abs().mean(-1)[:, :n].mean()
-            assert torch.allclose(plain(x, [(ctx, tgt, v)], targets), latent, atol=1e-6)
-            assert torch.allclose(dense(x, [(ctx, tgt, v)], targets), latent + 0.5 * term, atol=1e-6)
-    # the term alone trains the encoder (the latent loss at the targets off)
-    alone = JEPA(cfg, (8, 32, 64), LossConfig(latent=0.0, context=1.0))
-    alone(x, [(ctx, tgt, None)], targets).backward()
-    assert alone.encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
-    assert objective(LossConfig(context=0.5, local=1.0)) == (
-        "V-JEPA latent prediction + latent term at the context tokens + local intensity term "
-        "(tubelet max/min cells), weights 1 / 0.5 / 1")
-    assert objective(LossConfig(latent=0.0, context=1.0)) == (
-        "latent term at the context tokens only (no prediction at masked tokens), weight 1")
-    # the names that runs before the term carry are kept
-    assert objective(LossConfig(latent=0.0, local=1.0)) == (
-        "local intensity term (tubelet max/min cells) only (no latent prediction), weight 1")
-    assert objective(LossConfig(latent=0.0)) == "V-JEPA latent prediction, weight 0"
+    assert objective(LossConfig(local=0.0)) == "V-JEPA latent prediction"
+    assert objective(LossConfig(latent=0.5, local=0.0)) == "V-JEPA latent prediction, weight 0.5"
+    assert objective(LossConfig(latent=0.0)) == (
+        "local intensity term (tubelet mean cells) only (no latent prediction), weight 1")
+    for latent, local in ((0.0, 0.0), (-1.0, 1.0)):
+        with pytest.raises(ConfigError, match="latent"):
+            LossConfig(latent=latent, local=local)
 
 
 def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cache, tmp_path):
@@ -369,24 +319,3 @@ def test_the_xla_sharding_covers_every_batch_tensor_of_a_padded_context(tiny_cac
     ranks = runtime.batch_ranks(ds[(0, 0)])
     n = len(cfg.mask.sets)
     assert ranks == {"x": 5, "aug": 2, **{f"{k}_{i}": 2 for i in range(n) for k in ("ctx", "tgt", "ctxvalid")}}
-
-
-def test_repeats_draw_every_set_again_with_its_own_blocks():
-    """mask.repeats: each set drawn `repeats` times per sample (data2vec 2.0's several masks per
-    target pass), with the set's calibrated sizes, each draw its own blocks."""
-    grid = M.grid_for((32, 96, 96), (4, 16, 16))
-    cfg = MaskConfig(repeats=3)
-    sizes = M.calibrate(grid, cfg, seed=0)
-    assert sizes == M.calibrate(grid, MaskConfig(), seed=0) * 3
-    sets = M.sample_masks(grid, cfg, sizes, np.random.default_rng(0))
-    assert len(sets) == 6
-    for i, (ctx, tgt, _, _) in enumerate(sets):
-        base = cfg.sets[i % 2]
-        assert len(tgt) == sizes[i % 2].target_cells * grid.depth and len(ctx) == sizes[i % 2].context_cells * grid.depth
-        assert len(np.intersect1d(ctx, tgt)) == 0, base
-    assert not np.array_equal(sets[0][1], sets[2][1]) and not np.array_equal(sets[1][1], sets[3][1])
-
-
-def test_repeats_below_one_are_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="repeats"):
-        MaskConfig(repeats=0)

@@ -48,9 +48,8 @@ def student_step_bytes(cfg: TrainConfig, batch: int = 2) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("context", [0.0, 1.0])  # loss.context: the predictor also reads out its context rows
-def test_activation_formulas_match_what_autograd_keeps(precision, context):
-    cfg = config.load(TrainConfig, PRODUCTION, SMALL + [f"precision={precision}", f"loss.context={context}"])
+def test_activation_formulas_match_what_autograd_keeps(precision):
+    cfg = config.load(TrainConfig, PRODUCTION, SMALL + [f"precision={precision}"])
     shp, params = plan.shapes(cfg), plan.parameter_counts(cfg)
     act = 2 if precision == "bf16" else 4
     want = sum(plan.sequence_saved(shp, act, attention.SDPA).values()) * 2 + plan.weight_casts(params, act)
@@ -136,14 +135,3 @@ def test_make_plan_prints_the_margin_and_exits_by_the_verdict(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     with pytest.raises(cli.UsageError, match="batch_size 6 does not divide over the 4 chips"):
         plan.main(["--config", PRODUCTION, "--accel", "tpu-v4", "batch_size=6"])
-
-
-def test_the_context_term_adds_what_its_formula_says():
-    """loss.context: the predictor's output rows and L1 at the context tokens, counted in
-    plan.sequence_saved, against the storages autograd keeps beyond the same step without it."""
-    plain = config.load(TrainConfig, PRODUCTION, SMALL + ["precision=fp32", "loss.context=0"])
-    dense = config.load(TrainConfig, PRODUCTION, SMALL + ["precision=fp32", "loss.context=0.5"])
-    want = [sum(plan.sequence_saved(plan.shapes(c), 4, attention.SDPA).values()) * 2 for c in (plain, dense)]
-    got = [student_step_bytes(c) for c in (plain, dense)]
-    assert got[1] > got[0]
-    assert got[1] - got[0] == pytest.approx(want[1] - want[0], rel=0.05), (got, want)

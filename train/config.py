@@ -1,4 +1,5 @@
-"""The pretraining config: plain dataclasses, saved with every checkpoint.
+"""The pretraining config: plain dataclasses, saved with every checkpoint. The defaults are the
+recipe (docs/recipe.md); a config file states only what differs from them (size, steps, run keys).
 
 Loaded through octfm.config, so unknown keys are refused by name and `null` stays None.
 """
@@ -7,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from octfm.config import FieldError
+from octfm import config
+from octfm.config import ConfigError, FieldError
 
 
 @dataclasses.dataclass
@@ -20,8 +22,9 @@ class DataConfig:
     flip_prob: float = 0.5                         # left-right flip (columns)
     # Random-resized crop: per sample and axis, a box of a fraction in [lo, hi] of input_shape is
     # cut at a random place and resized (trilinear) to input_shape, a zoom of 1 to 1/lo; [1, 1]:
-    # the plain random crop. Scale jitter for a cache stored at the crop's own size.
-    scale: tuple[float, float] = (1.0, 1.0)
+    # the plain random crop. Scale jitter for a cache stored at the crop's own size
+    # (docs/recipe.md, Augmentation).
+    scale: tuple[float, float] = (0.8, 1.0)
     intensity_jitter: float = 0.1                  # device-side gain/offset jitter amplitude
     workers: int | None = None                     # loader processes; None: from this host's cores (data.loader_workers)
     start_method: Literal["spawn", "forkserver"] = "forkserver"
@@ -38,25 +41,26 @@ class DataConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
-    tubelet: tuple[int, int, int] = (4, 16, 16)
+    tubelet: tuple[int, int, int] = (4, 16, 16)    # at data.input_shape 64 x 384 x 384: 16 x 24 x 24 = 9,216 tokens
     # Channels of 3 x 3 x 3 convolutions (each + GELU, halving rows and columns) before the tubelet
     # patchify; empty: the plain linear patchify of ViT. A lesion smaller than a tubelet moves
-    # inside it, which a linear patchify cannot follow (docs/measurements.md, the learning check).
-    stem: tuple[int, ...] = ()
+    # inside it, which a linear patchify cannot follow (docs/recipe.md, The encoder).
+    stem: tuple[int, ...] = (16,)
     # max: each token also gets a 1x1x1 projection of every stem channel's peak inside its tubelet
-    # (position-invariant detectors: a lesion smaller than a tubelet reads alike wherever it falls).
-    stem_pool: Literal["none", "max"] = "none"
+    # (position-invariant detectors: a lesion smaller than a tubelet reads alike wherever it falls);
+    # none: the patchify alone.
+    stem_pool: Literal["none", "max"] = "max"
     # How tokens pool into the one vector the probes, the online probe, the supervised reference and
-    # exported encoders read: the mean, or each channel's max (a cue in a few of hundreds of tokens,
-    # such as a handful of lesions, survives a max; a mean dilutes it by the token count).
-    pool: Literal["mean", "max"] = "mean"
+    # exported encoders read: each channel's max (a cue in a few of hundreds of tokens, such as a
+    # handful of lesions, survives a max; a mean dilutes it by the token count), or the mean.
+    pool: Literal["mean", "max"] = "max"
     dim: int = 768
     depth: int = 12
     heads: int = 12
     mlp_ratio: float = 4.0
     pred_dim: int = 384
     pred_depth: int = 6
-    pred_heads: int = 6
+    pred_heads: int = 6                       # head dim 64 (docs/recipe.md, The predictor)
 
 
 @dataclasses.dataclass
@@ -70,6 +74,7 @@ class MaskSetConfig:
 
 @dataclasses.dataclass
 class MaskConfig:
+    # a short-range set (8 small blocks) and a long-range one (2 large) (docs/recipe.md, Masks)
     sets: list[MaskSetConfig] = dataclasses.field(default_factory=lambda: [
         MaskSetConfig(blocks=8, scale=(0.15, 0.15)), MaskSetConfig(blocks=2, scale=(0.7, 0.7))])
     calibration_samples: int = 256   # masks drawn at start-up to fix the token counts
@@ -77,38 +82,25 @@ class MaskConfig:
     # of the masked area (the rest of the visible cells is dropped); padded: every visible cell
     # is context, padded to the largest possible count and masked out of attention
     context: Literal["trimmed", "padded"] = "trimmed"
-    # each set drawn this many times per sample, every draw scored against the one target-encoder
-    # pass of the step (data2vec 2.0's several masks per teacher pass): more context and predictor
-    # work per volume read and per target pass
-    repeats: int = 1
-
-    def __post_init__(self):
-        if self.repeats < 1:
-            raise FieldError("repeats", f"{self.repeats}: needs at least 1 (each mask set drawn once)")
 
 
 @dataclasses.dataclass
 class LossConfig:
-    """The terms of the pretraining loss and their weights."""
+    """The terms of the pretraining loss and their weights (docs/recipe.md, The objective)."""
     # Weight of the latent prediction (V-JEPA's term). 0 leaves only the local term: an ablation
     # that says what the latent prediction adds (the predictor then gets zero gradients).
     latent: float = 1.0
     # Weight of the local term: each context token's output also reconstructs (one linear head,
-    # L1) statistics (`local_stat`) of its own tubelet's voxels in cells of `local_cell`, so the
-    # encoder must keep small bright and dark detail that a latent target may drop
-    # (docs/learning-check.md, decision 6). 0: off, and the model has no such head.
-    local: float = 0.0
+    # L1) the mean of its own tubelet's voxels in each cell of `local_cell` (the speckle averaged
+    # over the cell, where a lesion wider than a voxel still shifts it), so the encoder must keep
+    # small detail that a latent target may drop. 0: off, and the model has no such head.
+    local: float = 1.0
     local_cell: tuple[int, int, int] = (2, 4, 4)
-    # What the local term reconstructs per cell: maxmin, each cell's max and min (decision 6: a focus
-    # is a bright extreme, a cyst a dark one); mean, each cell's mean (the speckle averaged over the
-    # cell's voxels, where a lesion wider than a voxel still shifts it); mean_maxmin, all three
-    # (docs/learning-check.md, decision 26).
-    local_stat: Literal["maxmin", "mean", "mean_maxmin"] = "maxmin"
-    # Weight of the latent term at the context tokens (after V-JEPA 2.1's dense loss on visible
-    # tokens): the predictor's outputs at the context positions are also regressed (L1) on the
-    # target encoder's features there, so every visible token, not only the masked ones, is asked
-    # to carry what the target sees at its own place (docs/learning-check.md, decision 25). 0: off.
-    context: float = 0.0
+
+    def __post_init__(self):
+        if self.latent < 0 or self.local < 0 or self.latent + self.local == 0:
+            raise FieldError("latent", f"{self.latent:g} with loss.local {self.local:g}: the weights must be "
+                                       f"at least 0 and not both 0 (the loss would have no term)")
 
 
 @dataclasses.dataclass
@@ -116,7 +108,7 @@ class OptimConfig:
     lr: float = 6e-4
     start_lr: float = 2e-5
     final_lr: float = 1e-6
-    warmup_steps: int = 1000
+    warmup_steps: int = 1500
     weight_decay: float = 0.04
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -154,8 +146,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     precision: Literal["fp32", "bf16"] = "bf16"
     compile: bool = False                     # torch.compile the student and target (cpu, cuda; XLA compiles anyway)
-    batch_size: int = 8                       # per process (per host on XLA SPMD)
-    max_steps: int = 10000                    # optimizer updates
+    batch_size: int = 16                      # per process (per host on XLA SPMD)
+    max_steps: int = 30000                    # optimizer updates
     log_every: int = 10
     val_every: int = 0                        # 0: no validation
     val_batches: int = 4
@@ -172,3 +164,34 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     online_probe: OnlineProbeConfig = dataclasses.field(default_factory=OnlineProbeConfig)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+
+BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut (4ac2cad): it reads what earlier code wrote
+
+
+def before_v1(what: str) -> str:
+    """The message for a file written before octfm's v1 cut (checkpoints, their configs, model
+    folders): which code reads it."""
+    return (f"{what} from before octfm's v1 cut; load it with the tag {BEFORE_V1_TAG} "
+            f"(git checkout {BEFORE_V1_TAG})")
+
+
+def _key_paths(d: dict, prefix: str = "") -> set[str]:
+    """The dotted paths of a nested dict's leaves (a list, such as mask.sets, is one leaf)."""
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _key_paths(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+    return out
+
+
+def saved_config(saved: dict, uri: str) -> TrainConfig:
+    """The TrainConfig a checkpoint at `uri` saved. A checkpoint saves every key (config.to_dict),
+    so one whose keys differ from this TrainConfig's was written by older code: refused with the
+    tag that reads it, never filled in with today's defaults (a missing model.stem would build
+    another encoder than the one whose weights it holds)."""
+    have, want = _key_paths(saved), _key_paths(config.to_dict(TrainConfig()))
+    if have != want:
+        parts = [f"its config has {', '.join(sorted(have - want))}" if have - want else "",
+                 f"lacks {', '.join(sorted(want - have))}" if want - have else ""]
+        raise ConfigError(before_v1(f"{uri}: a checkpoint ({'; '.join(p for p in parts if p)})"))
+    return config.from_dict(TrainConfig, saved, where=f"{uri} (config)")

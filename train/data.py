@@ -87,7 +87,7 @@ def note_worker_start(path: str, worker_id: int) -> None:
     """A loader's `worker_init_fn` (functools.partial with `path`): appends when this worker
     process was forked and when it became ready (its imports and the dataset's unpickling done),
     wall-clock seconds, one JSON line per worker. The run's startup record splits the first
-    batch's wait with it (train/pretrain.py `Startup`; the H200's 89 s, docs/accelerators.md).
+    batch's wait with it (train/startup.py `Startup`; the H200's 89 s, docs/accelerators.md).
     A diagnostic never stops a worker: without /proc or CLOCK_BOOTTIME (not Linux) it notes
     nothing, and a log gone (a worker ready after the startup record) or a full or read-only
     disk is passed over."""

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from octfm import config as typed
 from train import data
-from train.config import ModelConfig
+from train.config import ModelConfig, before_v1
 from train.model import Encoder
 
 FORMAT = "octfm-encoder"
@@ -108,8 +108,8 @@ def wrap(enc: Encoder, stride, input_shape) -> CachedVolumeEncoder:
 
 
 def architecture(cfg: dict) -> ModelConfig:
-    """The encoder's ModelConfig from a config.json (older exports: no stem, stem_pool, pool)."""
-    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS if k in cfg["architecture"]}
+    """The encoder's ModelConfig from a config.json (read_config: it names every key of ARCH_KEYS)."""
+    arch_cfg = {k: cfg["architecture"][k] for k in ARCH_KEYS}
     return typed.from_dict(ModelConfig, arch_cfg, where="config.json architecture")
 
 
@@ -132,6 +132,9 @@ def read_config(folder: str | Path) -> dict:
     if cfg.get("format") != FORMAT or cfg.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {cfg.get('format')!r} version {cfg.get('format_version')!r}; "
                          f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
+    lacks = [k for k in ARCH_KEYS if k not in cfg["architecture"]]
+    if lacks:  # exported by older code: today's defaults in the gaps would build another encoder
+        raise typed.ConfigError(before_v1(f"{path}: a model folder (its architecture lacks {', '.join(lacks)})"))
     return cfg
 
 

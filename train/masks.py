@@ -7,8 +7,6 @@ XLA compiles once: unions smaller than the target count get extra blocks, and ta
 subsampled to their fixed size. The context is either trimmed (a fixed-size subsample of the
 visible cells; unions leaving too little are handed cells back) or padded (every visible cell,
 padded to the largest possible count, with a validity mask the attention honours).
-`mask.repeats` draws every set that many times per sample; the step scores all the draws against
-one target-encoder pass.
 """
 from __future__ import annotations
 
@@ -71,16 +69,10 @@ class SetSize:
     context_cells: int
 
 
-def drawn(cfg: MaskConfig) -> list[MaskSetConfig]:
-    """The masks each sample gets per step: every set, `mask.repeats` times over."""
-    return list(cfg.sets) * cfg.repeats
-
-
 def calibrate(grid: Grid, cfg: MaskConfig, seed: int = 12345) -> list[SetSize]:
-    """Fixed cell counts per drawn mask (`drawn`: a repeated set keeps its set's counts): target =
-    10th percentile of the union size; context = cells left by the 90th percentile (trimmed) or all
-    cells but the target (padded: the most a union of at least the target's size can leave); at
-    least one cell each."""
+    """Fixed cell counts per mask set: target = 10th percentile of the union size; context = cells
+    left by the 90th percentile (trimmed) or all cells but the target (padded: the most a union of
+    at least the target's size can leave); at least one cell each."""
     rng = np.random.default_rng(seed)
     sizes = []
     for s in cfg.sets:
@@ -94,7 +86,7 @@ def calibrate(grid: Grid, cfg: MaskConfig, seed: int = 12345) -> list[SetSize]:
         if cfg.context == "padded":
             ctx = grid.cells - tgt
         sizes.append(SetSize(tgt, ctx))
-    return sizes * cfg.repeats
+    return sizes
 
 
 def _cells_to_tokens(grid: Grid, cells: np.ndarray) -> np.ndarray:
@@ -106,11 +98,11 @@ def _cells_to_tokens(grid: Grid, cells: np.ndarray) -> np.ndarray:
 
 
 def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.random.Generator):
-    """For each drawn mask (`drawn`): (context token ids, target token ids, blocks, context
+    """For each mask set: (context token ids, target token ids, blocks, context
     validity), fixed lengths. Validity is None for a trimmed context (every id is real) and a bool
     vector for a padded one (padding repeats the first context id and is False)."""
     out = []
-    for s, size in zip(drawn(cfg), sizes, strict=True):
+    for s, size in zip(cfg.sets, sizes, strict=True):
         blocks = [sample_block(grid, s, rng) for _ in range(s.blocks)]
         union = _union(grid, blocks)
         while union.sum() < size.target_cells:

@@ -240,9 +240,8 @@ class Predictor(nn.Module):
         nn.init.trunc_normal_(self.mask_token, std=0.02)
 
     def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor,
-                ctx_valid: torch.Tensor | None = None, with_context: bool = False) -> torch.Tensor:
-        """Predictions at the target positions; with `with_context`, at the context positions
-        first and then the targets (one sequence: the context term costs only its output rows)."""
+                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Predictions at the target positions."""
         b = ctx.shape[0]
         c = self.embed(ctx)
         c = c + to_stream(gather_rows(self.pos, ctx_idx), c)
@@ -251,7 +250,7 @@ class Predictor(nn.Module):
         keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:
             x = blk(x, keep)
-        return self.out(self.norm(x if with_context else x[:, c.shape[1]:]))
+        return self.out(self.norm(x[:, c.shape[1]:]))
 
 
 def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
@@ -262,44 +261,29 @@ def cells_per_tubelet(tubelet, cell) -> tuple[int, int, int]:
     return per
 
 
-LOCAL_STATS = {"maxmin": ("max", "min"), "mean": ("mean",), "mean_maxmin": ("mean", "max", "min")}
-CELL_POOLS = {"max": F.max_pool3d, "min": lambda x, cell: -F.max_pool3d(-x, cell), "mean": F.avg_pool3d}
-
-
 def local_outputs(loss: LossConfig, tubelet) -> int:
-    """The local head's outputs per token: one per statistic and cell of the tubelet."""
-    return len(LOCAL_STATS[loss.local_stat]) * math.prod(cells_per_tubelet(tubelet, loss.local_cell))
+    """The local head's outputs per token: one per cell of the tubelet."""
+    return math.prod(cells_per_tubelet(tubelet, loss.local_cell))
 
 
-def local_cells(x: torch.Tensor, tubelet, cell, stat: str = "maxmin") -> torch.Tensor:
-    """[B, 1, D, H, W] -> [B, N, stats x cells per tubelet]: per token (in the patchify's order),
-    each statistic of `stat` (LOCAL_STATS, in that order) of its tubelet's voxels in each `cell`
-    block: with max and min, where a bright dot or a dark pocket sits inside the tubelet at the
-    cell's resolution; with the mean, the cell's level with the speckle averaged."""
+def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
+    """[B, 1, D, H, W] -> [B, N, cells per tubelet]: per token (in the patchify's order), the mean
+    of its tubelet's voxels in each `cell` block: the cell's level with the speckle averaged
+    (docs/recipe.md, The objective)."""
     per = cells_per_tubelet(tubelet, cell)
     b = x.shape[0]
     grid = dataclasses.astuple(masks.grid_for(x.shape[2:], tubelet))
-    maps = []
-    for m in (CELL_POOLS[k](x, cell) for k in LOCAL_STATS[stat]):
-        m = m.reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
-        maps.append(m.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, math.prod(grid), math.prod(per)))
-    return torch.cat(maps, dim=-1)
+    m = F.avg_pool3d(x, cell).reshape(b, grid[0], per[0], grid[1], per[1], grid[2], per[2])
+    return m.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, math.prod(grid), math.prod(per))
 
 
 def objective(loss: LossConfig) -> str:
     """The pretraining objective in words, for run summaries, exported config.json and model
-    cards: a run with the local or the context term is not plain V-JEPA and must not be called so."""
-    cells = {"maxmin": "max/min", "mean": "mean", "mean_maxmin": "mean/max/min"}[loss.local_stat]
-    names = {"latent": "V-JEPA latent prediction", "context": "latent term at the context tokens",
-             "local": f"local intensity term (tubelet {cells} cells)"}
-    on = [(names[k], w) for k, w in (("latent", loss.latent), ("context", loss.context), ("local", loss.local)) if w > 0]
-    if not on:  # every weight 0: named as before the context term existed
-        return f"{names['latent']}, weight {loss.latent:g}"
-    text = " + ".join(n for n, _ in on)
-    if loss.latent <= 0:  # "no latent prediction" as before, unless the context term is a latent one
-        missing = "no prediction at masked tokens" if loss.context > 0 else "no latent prediction"
-        text += f"{' only' if len(on) == 1 else ''} ({missing})"
-    if len(on) == 1 and loss.latent == 1:
+    cards: a run with the local term is not plain V-JEPA and must not be called so."""
+    on = [(n, w) for n, w in (("V-JEPA latent prediction", loss.latent),
+                              ("local intensity term (tubelet mean cells)", loss.local)) if w > 0]
+    text = " + ".join(n for n, _ in on) + ("" if loss.latent > 0 else " only (no latent prediction)")
+    if on == [("V-JEPA latent prediction", 1.0)]:
         return text
     return f"{text}, weight{'s' if len(on) > 1 else ''} " + " / ".join(f"{w:g}" for _, w in on)
 
@@ -307,9 +291,8 @@ def objective(loss: LossConfig) -> str:
 class JEPA(nn.Module):
     """The trained student: context encoder + predictor. The loss for each mask set is
     `loss.latent` x the L1 between predictions and the target encoder's layer-normed features
-    at the target tokens, plus (with `loss.context` > 0) `loss.context` x the same L1 at the
-    context tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
-    reading each context token's own tubelet cells (`local_cells`, `loss.local_stat`) from its output."""
+    at the target tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
+    reading each context token's own tubelet cells (`local_cells`) from its output."""
 
     def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
         super().__init__()
@@ -325,18 +308,14 @@ class JEPA(nn.Module):
     def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                 targets: torch.Tensor) -> torch.Tensor:
         """`masks`: (context ids, target ids, context validity or None) per mask set."""
-        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell, self.loss.local_stat)
+        cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell)
         tokens = self.encoder.tokenize(x)  # once: the stem and patchify are a third of a step at check size
         losses = []
         for ctx_idx, tgt_idx, ctx_valid in masks:
             ctx = self.encoder.transform(tokens, ctx_idx, ctx_valid)
-            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid, with_context=self.loss.context > 0)
-            pred_ctx, pred = pred[:, :-tgt_idx.shape[1]], pred[:, -tgt_idx.shape[1]:]
+            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
             loss = self.loss.latent * (pred.float() - tgt.float()).abs().mean()
-            if self.loss.context > 0:
-                err = (pred_ctx.float() - gather_tokens(targets, ctx_idx).float()).abs().mean(-1)  # [B, Kc]
-                loss = loss + self.loss.context * context_mean(err, ctx_valid)
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
                 loss = loss + self.loss.local * context_mean(err, ctx_valid)
@@ -346,7 +325,7 @@ class JEPA(nn.Module):
 
 def context_mean(err: torch.Tensor, ctx_valid: torch.Tensor | None) -> torch.Tensor:
     """The mean of a per-context-token error [B, Kc] over the valid slots (padding does not count)."""
-    w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # the same ops either way (as before)
+    w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # the same ops either way
     return (err * w).sum() / w.sum().clamp_min(1.0)
 
 

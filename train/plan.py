@@ -58,7 +58,6 @@ class Shapes:
     targets: tuple[int, ...]         # target tokens per mask set
     stem: tuple[int, ...]
     local_cells: int                 # the local head's outputs per token (0: no local term)
-    context_term: bool               # loss.context > 0: the predictor also outputs at the context tokens
     dim: int
     depth: int
     heads: int
@@ -76,7 +75,7 @@ def shapes(cfg: TrainConfig) -> Shapes:
     sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
     local = local_outputs(cfg.loss, m.tubelet) if cfg.loss.local > 0 else 0
     return Shapes(math.prod(cfg.data.input_shape), grid.tokens, tuple(s.context_cells * grid.depth for s in sizes),
-                  tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, cfg.loss.context > 0, m.dim, m.depth, m.heads,
+                  tuple(s.target_cells * grid.depth for s in sizes), tuple(m.stem), local, m.dim, m.depth, m.heads,
                   m.mlp_ratio, m.pred_dim, m.pred_depth, m.pred_heads)
 
 
@@ -147,9 +146,6 @@ def sequence_saved(shp: Shapes, act: int, kernel: str) -> dict[str, int]:
         # storage, context rows included; then the target rows' statistics and the output linear's input
         pred += (c + t) * 4 * shp.pred_dim + t * (8 + shp.pred_dim * act)
         pred += t * shp.dim * 4                              # the L1's difference (float32)
-        if shp.context_term:  # the context rows' norm statistics, output linear's input, L1 difference and
-            # slot weights (float32); their norm input is in the sequence's storage, counted above
-            pred += c * (8 + shp.pred_dim * act + shp.dim * 4 + 4)
     local = sum(n * (shp.dim * act + shp.local_cells * 4) for n in shp.context) if shp.local_cells else 0
     return {"stem": stem_saved(shp, act), "encoder": enc, "predictor": pred, "local_head": local}
 
