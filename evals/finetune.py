@@ -8,13 +8,12 @@ architecture from scratch on the same budget: the baseline a pretrained start mu
 
 Layer-wise learning-rate decay (the last block and the final norm at `lr`, each block below it x
 `layer_decay`, the patchify lowest), a head learning rate, frozen epochs (the head alone, the
-encoder untouched, which then warms up again from its first step), a guard that skips an update
-whose loss or gradients are not finite,
-class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu, cuda
-(torchrun + DDP, bf16) and xla, as `make pretrain`. A killed run resumes from its last whole
-epoch to the weights an uninterrupted one reaches (on another process count, at that epoch of its
-layout). The best epoch is kept as a checkpoint that
-`make export`, `make embed` and `make probe` read like a pretraining one (its head included).
+encoder untouched, which then warms up again from its first step), the update guard on non-finite
+values, class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu,
+cuda (torchrun + DDP, bf16) and xla, on pretraining's skeleton (train/loop.py). A killed run
+resumes from its last whole epoch to the weights an uninterrupted one reaches (on another process
+count, at that epoch of its layout). The best epoch is kept as a checkpoint that `make export`,
+`make embed` and `make probe` read like a pretraining one (its head included).
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -32,7 +30,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
-from tqdm import tqdm
 
 from evals import features, probe, probe_heads, subsets
 from evals.backbone import Backbone, load_backbone, training_seed
@@ -41,9 +38,10 @@ from evals.config import FinetuneConfig, ProbeConfig
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio, plots
 from train import checkpoint, data, encoder, metrics, runtime, schedule
+from train.loop import TrainLoop
 from train.model import Encoder, set_drop_path
-from train.step import decays, guarded_step, load_optimizer, optimizer_flags, set_scalar, to_cpu, xla_compiles
 from train.run_folder import RunFolder
+from train.step import decays, guarded_step, load_optimizer, optimizer_flags, to_cpu, xla_compiles
 
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
 
@@ -162,8 +160,11 @@ def training_rows(cfg: FinetuneConfig, cache: str) -> tuple[list[dict], np.ndarr
     return rows, subsets.train_mask(rows, people)
 
 
-class Finetuner:
-    """The state a checkpoint captures (model, optimizer, epoch, the best val score so far); `run` is the loop."""
+class Finetuner(TrainLoop):
+    """The state a checkpoint captures (model, optimizer, epoch, the best val score so far); `run`
+    trains what is left of the budget, then scores the best epoch (finish)."""
+
+    keep_last = 1
 
     def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None,
                  dataset=None, dataset_key: dict | None = None):
@@ -172,11 +173,26 @@ class Finetuner:
         `dataset_key` says what that wrapper changes (the plant): it keys the run as its settings do."""
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
-        self.cfg, self.rt, self.dataset, self.dataset_key = cfg, rt, dataset or Labelled, dataset_key
         # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
         checkpoint.require_shared(str(run_dir(cfg)), rt.hosts, key="out")
+        self.cfg, self.dataset, self.dataset_key = cfg, dataset or Labelled, dataset_key
+        self.folder = RunFolder(run_dir(cfg))
+        super().__init__(rt, self.folder.root, self.folder.checkpoints(), f"finetune {cfg.task} ({cfg.init})")
         self.spec = TASKS[cfg.task]
         bb = backbone or load_backbone(cfg)
+        self._read_rows(bb)
+        saved = self._saved_state()
+        self._build_model(bb.encoder.to(rt.device), saved)
+        self._build_optimizer()
+        self._plan_budget()
+        self.epoch, self.best, self.stale = 0, None, 0  # epoch: whole epochs trained
+        self.history: list[dict] = []
+        self.resumed = self._resume(*saved) if saved is not None else None
+
+    def _read_rows(self, bb: Backbone) -> None:
+        """The start's training config with this run's crop scale and workers, and the labelled rows
+        with their classes, splits and the train mask (training_rows)."""
+        cfg = self.cfg
         scale = tuple(cfg.scale) if cfg.scale is not None else tuple(bb.train_config.data.scale)
         self.tcfg = dataclasses.replace(bb.train_config, data=dataclasses.replace(
             bb.train_config.data, scale=scale, workers=cfg.workers))
@@ -185,41 +201,48 @@ class Finetuner:
         self.y = np.array([self.spec["map"](r["label"]) for r in self.rows])
         self.split = np.array([r["split"] for r in self.rows])
         self._inputs: dict[bytes, list] = {}  # the evaluated rows' cropped volumes, read once (predict)
-        enc = bb.encoder.to(rt.device)
-        self.folder = RunFolder(run_dir(cfg))
-        self.ckpt_dir = self.folder.checkpoints()
-        saved = self._saved_state()
+
+    def _build_model(self, enc: Encoder, saved: tuple[str, dict] | None) -> None:
+        """The encoder and its head: shaped as saved (its weights and scalers load in _resume; no
+        start features to recompute), else the probe fitted on the starting features (head_init:
+        probe), else a fresh head, behind the train rows' channel scalers with `standardize`."""
+        cfg = self.cfg
         self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
         fitted = None
-        if saved is not None:  # the saved head's kind and fitted start: no start features to recompute
-            self.kind, self.head_fit = saved[1]["finetune"]["head"], saved[1]["finetune"].get("head_fit")
+        if saved is not None:
+            self.kind, self.head_fit = saved[1]["finetune"]["head"], saved[1]["finetune"]["head_fit"]
         else:
             self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
         torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
-        self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(rt.device)
-        if saved is not None:  # shaped as saved (its scalers' statistics load in _resume)
-            self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(rt.device)
+        self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(self.rt.device)
+        if saved is not None:
+            self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(self.rt.device)
         elif fitted is not None:
             self.model.head = fitted
         elif cfg.standardize:
             self.model.head = self.scaled(self.model.head)
         set_drop_path(self.model.encoder, cfg.drop_path)
+
+    def _build_optimizer(self) -> None:
+        """AdamW over the layer groups, each with its device lr tensor (write_schedules fills them), and
+        the loss's class weights."""
+        cfg, rt = self.cfg, self.rt
         self.groups = layer_groups(self.model, cfg)
         self.lrs = [torch.zeros((), device=rt.device) for _ in self.groups]
         self.opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"], "lr": lr}
                                       for g, lr in zip(self.groups, self.lrs)], lr=self.lrs[0], **optimizer_flags(rt.kind))
         self.weight = (probe_heads.class_weights(self.y[self.train], self.spec["classes"]).to(rt.device)
                        if cfg.class_weight else None)
+
+    def _plan_budget(self) -> None:
+        """The batch per process, the optimizer steps per epoch, the epochs and steps the run trains."""
         # a small cohort's label fraction can hold fewer rows than a batch (a GPU-size smoke run: about 50 rows at
         # batch 128): the run takes them all as its batch rather than no step at all
-        self.batch = max(1, min(cfg.batch_size, int(self.train.sum()) // rt.world))
-        self.per_epoch = data.EpochSampler(int(self.train.sum()), self.batch, world=rt.world).batches_per_epoch
-        self.epochs = budget_epochs(cfg, self.per_epoch)
+        n = int(self.train.sum())
+        self.batch = max(1, min(self.cfg.batch_size, n // self.rt.world))
+        self.per_epoch = data.EpochSampler(n, self.batch, world=self.rt.world).batches_per_epoch
+        self.epochs = budget_epochs(self.cfg, self.per_epoch)
         self.total = self.epochs * self.per_epoch  # optimizer steps
-        self.skipped = torch.zeros((), device=rt.device)  # updates refused for a non-finite loss or gradient
-        self.epoch, self.step, self.best, self.stale = 0, 0, None, 0  # epoch: whole epochs trained
-        self.history: list[dict] = []
-        self.resumed = self._resume(*saved) if saved is not None else None
 
     def start_features(self, enc: Encoder, mask: np.ndarray, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The starting encoder's pooled vectors (and with `tokens` its pooled token grids, float32) of the
@@ -236,8 +259,8 @@ class Finetuner:
 
     def scaled(self, head: nn.Module) -> probe_heads.ScaledHeads:
         """`head` behind ChannelScalers of the starting encoder's features over the train rows (what
-        the probes' heads read: decisions 21 and 37), fixed through the run and saved with the head
-        (a resumed run loads the saved ones over these)."""
+        the probes' heads read; docs/recipe.md, Fine-tuning), fixed through the run and saved with
+        the head (a resumed run loads the saved ones over these)."""
         tokens = probe_heads.reads_tokens(self.kind)
         pooled, grids = self.start_features(self.model.encoder, self.train, tokens)
         return probe_heads.ScaledHeads(head, probe_heads.ChannelScaler(pooled),
@@ -245,10 +268,10 @@ class Finetuner:
 
     def fitted_head(self, enc: Encoder) -> tuple[str, probe_heads.ScaledHeads]:
         """The head kind and its first weights: a probe fitted on the starting encoder's features as
-        the probes fit theirs (configs/probe.yaml's grid, at least the full train split's steps:
-        decision 32; channels standardised with `standardize`) and chosen on the val rows, so the
-        encoder thaws under a head that already reads it (LP-FT; decision 38). `head: auto` fits each
-        of the probes' kinds and keeps the one val ranks first (decision 39)."""
+        the probes fit theirs (configs/probe.yaml's grid, at least the full train split's steps;
+        channels standardised with `standardize`) and chosen on the val rows, so the encoder thaws
+        under a head that already reads it (LP-FT). `head: auto` fits each of the probes' kinds and
+        keeps the one val ranks first (docs/recipe.md, Fine-tuning)."""
         cfg = self.cfg
         kinds = ProbeConfig().heads if cfg.head == "auto" else [cfg.head]
         fit = self.train | (self.split == "val")
@@ -268,7 +291,7 @@ class Finetuner:
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
         """What the weights depend on: a resume under other settings is refused. The dataset wrapper's
-        keys (the plant) join them only when set, so the runs saved before them resume."""
+        keys (the plant) join them when set."""
         out = {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
         return {**out, **(self.dataset_key or {})}
 
@@ -278,20 +301,20 @@ class Finetuner:
         return self.step if self.cfg.val_every else self.epoch
 
     def state(self, best: bool = False) -> dict:
-        st = {"config": config.to_dict(self.tcfg), "target": to_cpu(self.model.encoder.state_dict()),
-              "head": to_cpu(self.model.head.state_dict()), "step": self.position(),
+        st = {"config": config.to_dict(self.tcfg), "target": self.model.encoder.state_dict(),
+              "head": self.model.head.state_dict(), "step": self.position(),
               "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.kind,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
                            "from": self.ident, "best": self.best, "head_fit": self.head_fit}}
         if not best:
-            st.update(optimizer=to_cpu(self.opt.state_dict()), train_step=self.step, layout=self.layout(),
-                      stale=self.stale, history=self.history, skipped_updates=self.skipped.cpu())
-        return st
+            st.update(optimizer=self.opt.state_dict(), train_step=self.step, layout=self.layout(), stale=self.stale,
+                      history=self.history, **self.guard.state())
+        return to_cpu(st)  # a copy: the background write (TrainLoop.save) runs while training goes on
 
     def _saved_state(self) -> tuple[str, dict] | None:
         """The newest good checkpoint of this run folder, if any, refused (naming the keys) when it
         was made under other settings."""
-        found = checkpoint.load_newest_good(self.ckpt_dir)
+        found = self.newest_checkpoint()
         if found is None:
             return None
         uri, st = found
@@ -311,8 +334,7 @@ class Finetuner:
         (data.data_position), converted to this run's batch and process count, as pretraining
         resumes. Refused (naming both layouts) where no whole number of this run's steps reaches it,
         and with `val_every`, whose checkpoints, history and best are counted in the saved steps."""
-        saved, n = int(st["train_step"]), int(self.train.sum())
-        old = st.get("layout") or self._layout_before_record(uri, st)
+        saved, n, old = int(st["train_step"]), int(self.train.sum()), st["layout"]
         pos = data.data_position(saved, n, old["batch"], old["world"])
         start = data.start_batch_for(pos, n, self.batch, self.rt.world)
         if start != saved and (start is None or self.cfg.val_every):
@@ -327,16 +349,6 @@ class Finetuner:
                   f"epoch {pos['epoch']} continues at step {start} of {self.total}")
         return start
 
-    def _layout_before_record(self, uri: str, st: dict) -> dict:
-        """A checkpoint saved before the layout was recorded: this run's, when its last score's
-        epoch reads the same in this run's steps (a save follows a score); else refused."""
-        last = (st.get("history") or [None])[-1]
-        if last is not None and last["epoch"] != epochs_of(int(st["train_step"]), self.per_epoch):
-            raise cli.UsageError(f"{uri}: saved under another batch or process count than this run's {self.batch} x "
-                                 f"{self.rt.world} process(es) (its epoch {last['epoch']} is not step "
-                                 f"{st['train_step']} here): resume it as it was started, or set out= to start a new run")
-        return self.layout()
-
     def _resume(self, uri: str, st: dict) -> str:
         self.model.encoder.load_state_dict(st["target"])
         self.model.head.load_state_dict(st["head"])
@@ -344,17 +356,12 @@ class Finetuner:
         self.step = self._resume_step(uri, st)
         self.epoch = self.step // self.per_epoch
         self.ident = st["finetune"]["from"]  # the start it trained from, saved at its first save (ckpt may point on)
-        self.best, self.history = st["finetune"]["best"], list(st["history"])
-        self.stale = self.recount_stale()  # not the saved count: a run saved under an older rule resumes under this one
-        self.skipped.copy_(st.get("skipped_updates", torch.zeros(())))  # absent before the guard
+        self.best, self.history, self.stale = st["finetune"]["best"], list(st["history"]), int(st["stale"])
+        self.guard.load_state(st)
         return uri
 
-    def save(self) -> None:
-        if self.rt.is_master:
-            checkpoint.save(self.state(), self.ckpt_dir, self.position(), keep_last=1)
-        self.rt.barrier()
-
     def save_best(self) -> None:
+        """best.pt, written before every process reads on (finish loads it on each)."""
         if self.rt.is_master:
             checkpoint.write(self.state(best=True), self.folder.finetuned())
         self.rt.barrier()
@@ -383,6 +390,15 @@ class Finetuner:
         if frozen:
             self.model.encoder.eval()
 
+    def write_schedules(self, clock: torch.Tensor) -> None:
+        """Each group's learning rate from the device clock (TrainLoop.advance_schedules): its peak x
+        warmup and cosine, the encoder's groups ramped up again from the step it thaws (thaw_ramp)."""
+        warmup = self.warmup_steps()
+        self.factor = f = lr_factor(clock, self.total, warmup)  # kept for the log record
+        f_enc = f * thaw_ramp(clock, self.cfg.frozen_epochs * self.per_epoch, warmup)
+        for g, lr in zip(self.groups, self.lrs):
+            lr.copy_(g["peak_lr"] * (f_enc if g["encoder"] else f))
+
     def update(self, net, b: dict) -> torch.Tensor:
         x = data.normalize(b["x"], b["aug"])
         with self.rt.autocast():
@@ -391,9 +407,9 @@ class Finetuner:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)  # frozen ones have no grad
-        ok = torch.isfinite(loss.detach()) & torch.isfinite(gnorm)
+        ok = self.guard.accepts(loss.detach(), gnorm)
         guarded_step(self.opt, ok)  # a non-finite loss (a bf16 overflow, a bad batch) leaves everything as it was
-        self.skipped.add_((~ok).float())
+        self.guard.record(ok, loss.detach())
         return loss.detach()
 
     @torch.no_grad()
@@ -440,25 +456,17 @@ class Finetuner:
 
     # ------------------------------------------------------------ the loop
     def run(self, progress: bool = True) -> dict:
-        cfg, rt = self.cfg, self.rt
-        if rt.is_master:
+        if self.rt.is_master:
             self.folder.root.mkdir(parents=True, exist_ok=True)
-            fsio.atomic_write_bytes(str(self.folder.finetune), json.dumps(config.to_dict(cfg), indent=1).encode())
-        log = metrics.MetricsLog(self.folder.root, rt.is_master, cfg.wandb, config.to_dict(cfg))
-        try:
-            if self.step < self.total and not self.stopped():
-                self._loop(log, progress)
-        finally:
-            log.close()
+            fsio.atomic_write_bytes(str(self.folder.finetune), json.dumps(config.to_dict(self.cfg), indent=1).encode())
+        super().run(progress)
         return self.finish()
 
     def spends_patience(self, epoch: float) -> bool:
         """Whether a val score at `epoch` (epochs trained, a fraction with `val_every`) without a
         better one counts toward `patience`: not in the frozen epochs nor in the encoder's warmup
-        after them, where it cannot improve yet (decision 31: counting them stopped the layers cue's
-        fine-tuning at 10% 6 epochs after the thaw), and not in the first half of the run's epochs
-        (decision 35: a random-init encoder at 10% of labels left chance only after epoch 20 of 40,
-        where patience had stopped it; docs/learning-check.md)."""
+        after them, where it cannot improve yet, and not in the first half of the run's epochs,
+        where a random-init encoder at 10% of labels was still at chance (docs/recipe.md, Fine-tuning)."""
         warmup = self.warmup_steps() / self.per_epoch if self.cfg.warmup_fraction is not None \
             else math.ceil(self.cfg.warmup_epochs)
         return epoch > max(self.cfg.frozen_epochs + warmup, math.ceil(self.total / self.per_epoch / 2))
@@ -467,12 +475,6 @@ class Finetuner:
         cfg = self.cfg
         return round(cfg.warmup_fraction * self.total) if cfg.warmup_fraction is not None \
             else round(cfg.warmup_epochs * self.per_epoch)
-
-    def recount_stale(self) -> int:
-        """The val scores after the best one that spend patience (spends_patience), from the
-        history: what the loop's running count is under today's rule."""
-        best = self.best["epoch"] if self.best else 0
-        return sum(1 for h in self.history if h["epoch"] > best and self.spends_patience(h["epoch"]))
 
     def stopped(self) -> bool:
         return bool(self.cfg.patience) and self.stale >= self.cfg.patience
@@ -483,43 +485,33 @@ class Finetuner:
         every = self.cfg.val_every or self.per_epoch
         return self.step % every == 0 or self.step == self.total
 
-    def _loop(self, log: metrics.MetricsLog, progress: bool) -> None:
-        cfg, rt, per_epoch, total = self.cfg, self.rt, self.per_epoch, self.total
-        _, dl = self.loader(self.step)
-        warmup = self.warmup_steps()
-        thawed_at = cfg.frozen_epochs * per_epoch  # the encoder's first step: its warmup starts there
-        it = iter(rt.loader(dl))
-        clock = torch.zeros((), device=rt.device)  # the step the schedule reads, kept on the device
-        set_scalar(clock, self.step)
-        bar = tqdm(total=total, initial=self.step, desc=f"finetune {cfg.task} ({cfg.init})", unit="step",
-                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
-        try:
-            net, phase, losses = None, None, []
-            self.set_phase(self.epoch)
-            while self.step < total and not self.stopped():
-                if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
-                    net = None
-                    self.set_phase(self.epoch)
-                    net, phase = self.rt.wrap(self.model), self.frozen(self.epoch)
-                torch.manual_seed(training_seed(cfg) * 1000003 + self.step)  # stochastic depth: the same on a resume
-                f = lr_factor(clock, total, warmup)  # on the device: no host copy per step
-                f_enc = f * thaw_ramp(clock, thawed_at, warmup)
-                for g, lr in zip(self.groups, self.lrs):
-                    lr.copy_(g["peak_lr"] * (f_enc if g["encoder"] else f))
-                clock.add_(1)
-                losses.append(self.update(net, rt.to_device(next(it))))
-                rt.sync()
-                self.step += 1
-                self.epoch = self.step // per_epoch
-                bar.update(1)
-                if self.step % cfg.log_every == 0:
-                    log.log({"step": self.step, "epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": float(f)})
-                if self.scored_now():
-                    self.score(log, losses, bar)
-                    losses = []
-                    self.set_phase(self.epoch)  # predict() left the model in eval mode
-        finally:
-            bar.close()
+    def _loop(self, log: metrics.MetricsLog, bar) -> None:
+        cfg, rt = self.cfg, self.rt
+        if self.step >= self.total or self.stopped():
+            return
+        it = iter(rt.loader(self.loader(self.step)[1]))
+        self.start_clock()
+        net, phase, losses = None, None, []
+        self.set_phase(self.epoch)
+        while self.step < self.total and not self.stopped():
+            if self.frozen(self.epoch) != phase:  # wrap once per phase: DDP takes the parameters that train
+                net = None
+                self.set_phase(self.epoch)
+                net, phase = rt.wrap(self.model), self.frozen(self.epoch)
+            torch.manual_seed(training_seed(cfg) * 1000003 + self.step)  # stochastic depth: the same on a resume
+            self.advance_schedules()
+            losses.append(self.update(net, rt.to_device(next(it))))
+            rt.sync()
+            self.step += 1
+            self.epoch = self.step // self.per_epoch
+            bar.update(1)
+            self.writer.poll()  # a finished write's error stops the run
+            if self.step % cfg.log_every == 0:
+                self.log_step(log, {"epoch": self.epoch, "loss": float(losses[-1]), "lr_factor": float(self.factor)})
+            if self.scored_now():
+                self.score(log, losses, bar)
+                losses = []
+                self.set_phase(self.epoch)  # predict() left the model in eval mode
 
     def score(self, log: metrics.MetricsLog, losses: list, bar) -> None:
         """Score on val, keep the best state, spend patience, save the run."""
@@ -556,7 +548,7 @@ class Finetuner:
         res = {"encoder": name, "head": self.kind, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
                "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
                "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["finetune"]["best"]["epoch"],
-               "best_step": best["finetune"]["best"].get("step"), "head_fit": self.head_fit,
+               "best_step": best["finetune"]["best"]["step"], "head_fit": self.head_fit,
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
                "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
         result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,

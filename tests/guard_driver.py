@@ -1,7 +1,7 @@
-"""Drive Trainer.update step by step and inject loss spikes through the trainer's public
-`loss_scale` hook on one process; used by the update-guard tests on DDP (under torchrun)
-and on XLA. Writes <out>/rank<r>.pt: the state (model, target, optimizer) after every step,
-each step's skip count, and on XLA the compile count after every step.
+"""Drive Trainer.update step by step and inject loss spikes on one process, by the student's
+loss multiplied by a device scalar there (`spiked`); used by the update-guard tests on DDP
+(under torchrun) and on XLA. Writes <out>/rank<r>.pt: the state (model, target, optimizer) after
+every step, each step's skip count, and on XLA the compile count after every step.
 
     python tests/guard_driver.py --out DIR --steps 6 --spike 3:1e4 --spike-rank 1 -- key=value ...
 """
@@ -19,6 +19,15 @@ from train.config import TrainConfig
 from train.step import set_scalar, xla_compiles
 
 
+def spiked(net, scale: torch.Tensor):
+    """`net` as Trainer.update calls it, its loss multiplied by `scale`: a device scalar written per
+    step with set_scalar (data, not a graph constant: XLA compiles one step graph for every value).
+    Under DDP the scaled loss's gradients are all-reduced as the loss's would be."""
+    def forward(*args):
+        return net(*args) * scale
+    return forward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -31,12 +40,14 @@ def main() -> None:
     cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", a.overrides)
     rt = runtime.setup(cfg.device, cfg.precision)
     tr = pretrain.Trainer(cfg, rt)
-    net = rt.wrap(tr.model)
+    scale = torch.ones((), device=rt.device)
+    rt.replicate([scale])
+    net = spiked(rt.wrap(tr.model), scale)
     _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=cfg.seed, stop_batch=a.steps)
     it = iter(rt.loader(dl))
     states, skipped, compiles = [], [], []
     for step in range(1, a.steps + 1):
-        set_scalar(tr.loss_scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)
+        set_scalar(scale, spikes.get(step, 1.0) if rt.rank == a.spike_rank else 1.0)
         tr.update([rt.to_device(next(it))], net)
         rt.sync()
         st = tr.state()

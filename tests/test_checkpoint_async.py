@@ -45,13 +45,16 @@ def test_latest_pt_names_the_newest_step_file_for_every_reader(tmp_path):
     assert uri.endswith("step_0000004.pt") and st["step"] == 4
 
 
-def test_an_old_run_folder_with_a_real_latest_pt_keeps_loading_then_points(tmp_path):
-    checkpoint.write(state(2), str(tmp_path / "step_0000002.pt"))  # as saves before the pointer left it
-    checkpoint.write(state(2), str(tmp_path / "latest.pt"))
-    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 2
-    checkpoint.save(state(4), str(tmp_path), 4)  # the run resumed under the pointer
-    assert files(tmp_path) == ["latest.txt", "step_0000002.pt", "step_0000004.pt"]
-    assert checkpoint.load(str(tmp_path / "latest.pt"))["step"] == 4
+def test_every_file_carries_its_format_and_one_without_is_refused(tmp_path):
+    """Not skipped as damage by the newest-good scan either: a run would start afresh beside it."""
+    checkpoint.write(state(2), str(tmp_path / "best.pt"))
+    assert checkpoint.load(str(tmp_path / "best.pt"))["format"] == checkpoint.FORMAT
+    torch.save(state(4), str(tmp_path / "step_0000004.pt"))  # as the code before the v1 cut saved
+    for read in (lambda: checkpoint.load(str(tmp_path / "step_0000004.pt")),
+                 lambda: checkpoint.load_newest_good(str(tmp_path))):
+        with pytest.raises(cli.UsageError, match=r"step_0000004.pt: a checkpoint \(no format 2\) from before "
+                                                 r"octfm's v1 cut; .*\(git checkout results-2026-12\)"):
+            read()
 
 
 def test_pruning_never_deletes_the_step_file_latest_points_to(tmp_path):
@@ -100,7 +103,7 @@ def test_a_save_returns_before_the_write_with_a_snapshot_training_cannot_change(
             p.add_(1.0)
         for st in tr.opt.state.values():
             st["exp_avg"].add_(1.0)
-        tr.loss_mean.fill_(123.0)
+        tr.guard.loss_mean.fill_(123.0)
     release.set()
     assert tr.writer.wait() == path
     saved = checkpoint.load(path)
@@ -132,11 +135,14 @@ def test_a_run_stopped_by_an_error_still_finishes_its_pending_write(tiny_cache, 
     tr = tiny(tiny_cache, tmp_path, ckpt_every=1)
     held_saves(monkeypatch, seconds=1.0)  # the write of step 1 is still going when step 2 fails
 
-    def stop():
-        if tr.step == 2:
-            raise cli.JobAborted("stopped after the save of step 2")
+    real = tr.update
 
-    monkeypatch.setattr(tr, "check_lockout", stop)
+    def stop(*args):
+        if tr.step == 1:
+            raise cli.JobAborted("stopped in step 2, the save of step 1 in flight")
+        return real(*args)
+
+    monkeypatch.setattr(tr, "update", stop)
     with pytest.raises(cli.JobAborted):
         tr.run(progress=False)
     assert checkpoint.list_steps(tr.ckpt_dir) == [1], "the pending write was waited for"

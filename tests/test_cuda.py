@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli, same_optimizer, same_weights, tiny_train_args
+from guard_driver import spiked
 from octfm import config
 from train import attention, checkpoint, pretrain, runtime
 from train.config import TrainConfig
@@ -45,20 +46,22 @@ def test_a_bf16_step_runs_the_fused_attention_and_learns(tiny_cache, tmp_path):
         loss, gnorm, _ = tr.update([bs[i % 4]], tr.model)
         first = float(loss) if first is None else first
         assert torch.isfinite(loss) and torch.isfinite(gnorm)
-    assert float(loss) < first and int(tr.skipped) == 0
+    assert float(loss) < first and int(tr.guard.skipped) == 0
     # steady steps read nothing back to the host: any synchronising call raises in this mode
     # (tests/test_step_graph.py holds the same on the CPU with the profiler)
-    for scale, steps in ((1.0, 3), (1e4, 1)):  # then a skipped update, which takes the same path
-        set_scalar(tr.loss_scale, scale)
+    scale = torch.ones((), device="cuda")
+    net = spiked(tr.model, scale)
+    for value, steps in ((1.0, 3), (1e4, 1)):  # then a skipped update, which takes the same path
+        set_scalar(scale, value)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for i in range(steps):
                 tr.advance_schedules()
-                tr.update([bs[i % 4]], tr.model)
+                tr.update([bs[i % 4]], net)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert int(tr.skipped) == 1
+    assert int(tr.guard.skipped) == 1
     # the fused kernels alone: a math fallback would have raised inside sdpa_kernel
     q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16)
     torch.cuda.reset_peak_memory_stats()
@@ -94,10 +97,12 @@ def test_the_fused_adamw_skip_decides_as_the_cpu(tiny_cache, tmp_path):
         assert guard_path(tr.opt, torch.zeros((), dtype=torch.bool, device=dev)) == "found_inf"
         bs = batches(tr, 3)
         states, skipped = [], []
-        for i, scale in enumerate([1.0, 1e4, float("nan"), 1.0]):
-            set_scalar(tr.loss_scale, scale)
+        scale = torch.ones((), device=dev)
+        net = spiked(tr.model, scale)
+        for i, value in enumerate([1.0, 1e4, float("nan"), 1.0]):
+            set_scalar(scale, value)
             tr.advance_schedules()
-            tr.update([bs[i % 3]], tr.model)
+            tr.update([bs[i % 3]], net)
             st = tr.state()
             states.append(copy.deepcopy({k: st[k] for k in ("model", "target", "optimizer")}))
             skipped.append(int(st["skipped_updates"]))

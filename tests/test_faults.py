@@ -63,7 +63,6 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_one_before(tiny_cache, tmp_pa
     ckdir = tmp_path / "c" / "checkpoints"
     newest = ckdir / "step_0000008.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
-    (ckdir / "latest.pt").write_bytes(b"")
     longer = tiny_train_args(tiny_cache, tmp_path, name="c", max_steps=10, ckpt_every=4)
     r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *longer)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -220,7 +219,7 @@ def test_a_file_that_kills_its_worker_every_time_fails_alone(tmp_path):
 
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     (tmp_path / "step_0000004.pt").write_bytes(b"PK\x03\x04 torn")
-    (tmp_path / "latest.pt").write_bytes(b"")
+    (tmp_path / "step_0000002.pt").write_bytes(b"")
     warnings: list[str] = []
     with pytest.raises(RuntimeError, match="no checkpoint in .* reads back whole"):
         checkpoint.load_newest_good(str(tmp_path), warn=warnings.append)

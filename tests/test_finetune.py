@@ -134,9 +134,8 @@ def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path):
-    """Decision 37 (docs/learning-check.md): the probes' heads read standardised channels (decision
-    21) and fine-tuning's head now does too, by the statistics of the encoder it starts from over the
-    label fraction's train rows; a token head scales its tokens as well (the attentive head here).
+    """The probes' heads read standardised channels and fine-tuning's head does too (docs/recipe.md,
+    Fine-tuning), by the statistics of the encoder it starts from over the label fraction's train rows; a token head scales its tokens as well (the attentive head here).
     `standardize=false`: the head as before. The statistics stay fixed while the encoder trains."""
     ft = _finetuner(_cfg(pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
     pooled, tokens = _train_embeddings(ft)
@@ -156,7 +155,7 @@ def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pre
 
 
 def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, tmp_path):
-    """Decision 38 (LP-FT): before the first epoch the head is a probe fitted as `make probe` fits
+    """LP-FT (docs/recipe.md, Fine-tuning): before the first epoch the head is a probe fitted as `make probe` fits
     one (configs/probe.yaml's grid, the full train split's steps, chosen on val) on the starting
     encoder's features of the label fraction's train rows; the fine-tuner's own predictions then are
     that probe's. `head_init=zero`: a zero head, as before."""
@@ -179,7 +178,7 @@ def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, 
 
 
 def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretrained, tmp_path):
-    """Decision 39: `head: auto` fits a probe of each of the probes' kinds on the
+    """`head: auto` (docs/recipe.md, Fine-tuning) fits a probe of each of the probes' kinds on the
     starting features and fine-tunes the one val ranks first, started as that probe; the kind is
     what the run reports and exports. It needs a fitted start: with head_init=zero it is refused."""
     from evals import probe
@@ -371,8 +370,8 @@ def test_a_non_finite_loss_leaves_the_weights_and_the_optimizer_alone(pretrained
     assert same_state(before, ft.model.state_dict())
     for p, st in ft.opt.state.items():
         assert all(torch.equal(v, opt_before[id(p)][k]) for k, v in st.items())
-    assert int(ft.skipped) == 1
-    assert torch.isfinite(ft.update(ft.model, b)) and int(ft.skipped) == 1  # and training goes on
+    assert int(ft.guard.skipped) == 1
+    assert torch.isfinite(ft.update(ft.model, b)) and int(ft.guard.skipped) == 1  # and training goes on
 
 
 def test_a_step_budget_ends_the_run_whatever_the_label_fraction(pretrained, tmp_path):
@@ -412,8 +411,8 @@ def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
     assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
-    # the same training seed, the same encoder; the head (its channel statistics, decision 37, and the probe it
-    # starts as, decision 38) is fitted on each run's own participants
+    # the same training seed, the same encoder; the head (its channel statistics and the probe it starts as) is
+    # fitted on each run's own participants
     assert same_state(runs[4].model.encoder.state_dict(), other.model.encoder.state_dict())
     assert not same_state(runs[4].model.head.scale_p.state_dict(), other.model.head.scale_p.state_dict())
 
@@ -424,9 +423,9 @@ def test_patience_counts_only_epochs_after_the_encoders_warmup_and_half_the_run(
                                                                                 frozen, last):
     """Early stopping spends patience only once the encoder has trained through its warmup (in
     the frozen epochs and the warmup after them it cannot improve; counting them stopped the layers
-    cue's fine-tuning 6 epochs after the thaw with val at chance: decision 31 in
-    docs/learning-check.md) and only in the run's second half (a slow starter, random init at 10%
-    of labels, left chance after half its epochs: decision 35). Val peaks at epoch 1 here and never
+    cue's fine-tuning 6 epochs after the thaw with val at chance) and only in the run's second half
+    (a slow starter, random init at 10% of labels, left chance after half its epochs; both in
+    docs/history/learning-check.md, patience). Val peaks at epoch 1 here and never
     again; patience 2. 12 epochs, 6 frozen: the warmup ends at epoch 7, later than half (6), so 8
     and 9 spend it. 10 epochs, 2 frozen: half (5) is later than the warmup's end (3): 6 and 7."""
     cfg = _cfg(pretrained, tmp_path / "patience", epochs=epochs, frozen_epochs=frozen, warmup_epochs=1, patience=2)
@@ -436,33 +435,6 @@ def test_patience_counts_only_epochs_after_the_encoders_warmup_and_half_the_run(
     res = ft.run(progress=False)
     assert [h["epoch"] for h in ft.history] == list(range(1, last + 1)) and res["epochs_run"] == last
     assert ft.best["epoch"] == 1
-
-
-def test_a_run_saved_under_the_old_patience_count_resumes_under_the_new_rule(pretrained, tmp_path):
-    """The patience count is recounted from the saved history on resume, not read back: a run
-    saved by the code before decision 31 (its frozen epochs counted) would otherwise come back
-    already stopped."""
-    cfg = _cfg(pretrained, tmp_path / "resume", epochs=10, frozen_epochs=2, warmup_epochs=1, patience=2)
-    ft = _finetuner(cfg)
-    scores = iter([0.6, 0.5, 0.5])
-
-    def validate():
-        try:
-            return {"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": next(scores), "auroc": 0.5}
-        except StopIteration:
-            raise KeyboardInterrupt from None  # killed in epoch 4: epoch 3 was saved
-    ft.validate = validate
-    with pytest.raises(KeyboardInterrupt):
-        ft.run(progress=False)
-    uri, st = checkpoint.load_newest_good(ft.ckpt_dir)
-    assert st["step"] == 3 and st["stale"] == 0
-    st["stale"] = 2                               # what the old rule had counted by epoch 3 (epochs 2 and 3)
-    checkpoint.save(st, ft.ckpt_dir, 3, keep_last=1)
-    again = _finetuner(cfg)
-    assert again.epoch == 3 and again.stale == 0 and not again.stopped()
-    more = iter([0.5] * 20)
-    again.validate = lambda: {"epoch": again.epoch, "step": again.step, "balanced_accuracy": next(more), "auroc": 0.5}
-    assert again.run(progress=False)["epochs_run"] == 7   # epochs 6 and 7 spend it (after half of 10)
 
 
 def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(pretrained, tmp_path):
@@ -503,7 +475,7 @@ def test_val_every_scores_by_steps_and_keeps_the_best_state(pretrained, tmp_path
         return v
 
     ft.validate = scripted
-    half = ft.total // 2  # patience is spent only in the run's second half (decision 35)
+    half = ft.total // 2  # patience is spent only in the run's second half
     ft.run(progress=False)
     steps = [h["step"] for h in ft.history]
     assert steps[:5] == [2, 4, 6, 8, 10] and all(s % 2 == 0 for s in steps)
@@ -543,6 +515,7 @@ def _saved_at_epoch(cfg: FinetuneConfig, epochs: int) -> finetune.Finetuner:
     ft.step, ft.epoch = epochs * ft.per_epoch, epochs
     ft.history = [{"epoch": epochs, "step": ft.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
     ft.save()
+    ft.writer.wait()
     return ft
 
 

@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, tiny_train_args
 
 from octfm import config
-from train import checkpoint, data, pretrain, runtime, schedule
+from train import checkpoint, data, guard, pretrain, runtime, schedule, startup
 from train.config import OptimConfig, TrainConfig
 from train.step import GUARD_PATHS, guarded_step
 
@@ -49,7 +49,7 @@ def test_overfitting_a_tiny_batch_lowers_loss_without_collapse(tiny_cache, tmp_p
     assert min(norms) > 0
     assert metrics.feature_std(targets) > 0.2
     assert metrics.rankme(targets) > 4.0  # of at most 32 (the width): not collapsed
-    assert int(tr.skipped) == 0
+    assert int(tr.guard.skipped) == 0
 
 
 def test_rankme_and_std_detect_collapse():
@@ -98,14 +98,31 @@ def test_non_finite_loss_skips_the_update(tiny_cache, tmp_path):
     bad = dict(batch, aug=torch.full_like(batch["aug"], float("nan")))
     loss, _, _ = tr.update([bad], tr.model)
     assert not torch.isfinite(loss)
-    assert int(tr.skipped) == 1
+    assert int(tr.guard.skipped) == 1 and int(tr.guard.skip_run) == 1
     for k, v in tr.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     for k, v in tr.target.state_dict().items():
         assert torch.equal(v, target_before[k]), k
-    assert torch.isfinite(tr.loss_mean)
+    assert torch.isfinite(tr.guard.loss_mean)
     loss, _, _ = tr.update([batch], tr.model)  # and training goes on
-    assert torch.isfinite(loss) and int(tr.skipped) == 1
+    assert torch.isfinite(loss) and int(tr.guard.skipped) == 1 and int(tr.guard.skip_run) == 0
+
+
+def test_the_update_guard_refuses_non_finite_values_and_spikes():
+    """Pretraining's guard also refuses a loss over spike_factor x the running mean of accepted
+    losses; fine-tuning's (no spike_factor) only non-finite values. A refused update leaves the
+    mean as it was and lengthens the run of skips; an accepted one moves the mean and ends it."""
+    pre, ft = guard.UpdateGuard(torch.device("cpu"), spike_factor=5.0), guard.UpdateGuard(torch.device("cpu"))
+    one, two, spike, nan = (torch.tensor(v) for v in (1.0, 2.0, 11.0, float("nan")))
+    for g in (pre, ft):
+        g.record(g.accepts(two, one), two)  # the first accepted loss is the mean
+    assert float(pre.loss_mean) == 2.0
+    assert not pre.accepts(spike, one) and ft.accepts(spike, one)
+    assert not any(g.accepts(*values) for g in (pre, ft) for values in ((nan, one), (one, nan)))
+    pre.record(pre.accepts(spike, one), spike)
+    assert float(pre.loss_mean) == 2.0 and int(pre.skipped) == 1 and int(pre.skip_run) == 1
+    pre.record(pre.accepts(one, one), one)
+    assert float(pre.loss_mean) == pytest.approx(1.9) and int(pre.skipped) == 1 and int(pre.skip_run) == 0
 
 
 @pytest.mark.parametrize("path", GUARD_PATHS)
@@ -360,21 +377,6 @@ def test_prefetcher_hands_out_every_batch_in_order_one_copy_ahead():
     assert list(runtime.Prefetcher([], "cpu")) == []
 
 
-def test_several_masks_share_one_target_pass(tiny_cache, tmp_path):
-    """With mask.repeats 2 a step scores twice the mask sets against one target-encoder pass."""
-    from train import data
-
-    tr = tiny_trainer(tiny_cache, tmp_path, **{"mask.repeats": 2})
-    batch = first_batch(tr)
-    assert len(data.mask_pairs(batch)) == 2 * len(tr.cfg.mask.sets)
-    calls = {"target": 0, "predictor": 0}
-    tr.target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
-    tr.model.predictor.register_forward_hook(lambda *a: calls.__setitem__("predictor", calls["predictor"] + 1))
-    loss, _, _ = tr.update([batch], tr.model)
-    assert torch.isfinite(loss)
-    assert calls == {"target": 1, "predictor": 2 * len(tr.cfg.mask.sets)}
-
-
 def test_startup_dates_the_loader_workers_start(tmp_path):
     """The first batch's wait split by the workers themselves (the H200's 89 s, docs/accelerators.md):
     each worker notes when its process was forked and when it was ready, and the startup record
@@ -383,7 +385,8 @@ def test_startup_dates_the_loader_workers_start(tmp_path):
 
     from torch.utils.data import DataLoader
 
-    st = pretrain.Startup()
+    logged = []
+    st = startup.Startup(type("Log", (), {"log": lambda self, rec, prefix: logged.append(rec)})(), show=False)
     assert st.workers() == {}  # no worker yet: nothing claimed
     from octfm import procs
 
@@ -398,7 +401,10 @@ def test_startup_dates_the_loader_workers_start(tmp_path):
     assert 0 < w["workers_first_ready_at"] <= w["workers_last_ready_at"] <= elapsed + 0.001
     pids = {json.loads(x)["pid"] for x in Path(st.worker_log).read_text().splitlines()}
     assert len(pids) == 2 and os.getpid() not in pids  # written by the worker processes themselves
-    st.report(1, type("Log", (), {"log": lambda *a, **k: None})(), show=False)  # removes the folder
+    st.after_step(1, torch.zeros(()), fetch_s=0.0)  # the first step: the record, and the folder removed
+    st.after_step(2, torch.zeros(()), fetch_s=0.0)  # then nothing
+    assert len(logged) == 1 and logged[0]["step"] == 1 and logged[0]["workers_ready"] == 2
+    assert list(logged[0])[1:3] == ["first_batch_s", "first_update_s"]
     data.note_worker_start(st.worker_log, 2)  # a late worker must not fail: the record is already out
 
 
@@ -457,7 +463,7 @@ def test_loader_workers_start_together_not_one_after_another(tiny_cache):
                                                                     "data.input_shape=[16,48,48]"])
     ds = data.CacheDataset(rows, cfg.data, None, None, None, seed=0, volumes=False)
     assert len(pickle.dumps(ds)) > 2 ** 16  # more than a pipe holds: the write waits for the worker to read
-    st = pretrain.Startup()
+    st = startup.Startup(None, show=False)
     dl = DataLoader(ds, batch_size=2, sampler=[(0, i) for i in range(4)], num_workers=2,
                     multiprocessing_context=procs.worker_context(),
                     worker_init_fn=functools.partial(data.note_worker_start, st.worker_log))

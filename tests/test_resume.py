@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, free_port, run_cli, tiny_train_args, train_here
 
 from octfm import cli, config
 from train import checkpoint, data, pretrain, runtime
-from train.config import TrainConfig
+from train.config import BEFORE_V1_TAG, TrainConfig
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
@@ -41,7 +42,7 @@ def test_raising_max_steps_runs_a_constant_tail_at_the_final_values(tiny_cache, 
         assert log[step]["lr"] == pytest.approx(cfg.optim.final_lr)
         assert log[step]["ema_momentum"] == pytest.approx(cfg.optim.ema[1])
     st = checkpoint.load(str(runs / "t" / "checkpoints" / "latest.pt"))
-    assert st["schedule"] == {"horizon": 6} and "scheduler" not in st
+    assert st["schedule"] == {"horizon": 6}
 
 
 def test_lowering_max_steps_stops_early_on_the_first_schedule(tiny_cache, tmp_path):
@@ -56,18 +57,24 @@ def test_lowering_max_steps_stops_early_on_the_first_schedule(tiny_cache, tmp_pa
     assert [b[s]["ema_momentum"] for s in (4, 5)] == [a[s]["ema_momentum"] for s in (4, 5)]
 
 
-def test_an_older_checkpoint_takes_its_configs_max_steps_as_horizon(tiny_cache, tmp_path):
-    full, more = tmp_path / "full", tmp_path / "more"
-    _train(tiny_cache, full, max_steps=10, ckpt_every=3)
-    st = checkpoint.load(str(full / "t" / "checkpoints" / "step_0000003.pt"))
-    for key in ("schedule", "data_position"):  # as checkpoints were written before them
-        st.pop(key)
-    st["scheduler"] = {"step": 3}
-    old = checkpoint.save(st, str(tmp_path / "old"), 3)
-    _train(tiny_cache, more, "--ckpt", old, max_steps=12, ckpt_every=12)
-    a, b = _logged(full), _logged(more)
-    assert [b[s]["lr"] for s in range(4, 11)] == [a[s]["lr"] for s in range(4, 11)]
-    assert [b[s]["loss"] for s in range(4, 11)] == [a[s]["loss"] for s in range(4, 11)]  # the same data, too
+def test_a_checkpoint_from_before_the_v1_cut_is_refused_naming_the_tag(tiny_cache, tmp_path):
+    """A checkpoint without `format` was written before the v1 cut: a resume refuses it (rather than
+    skipping it as damaged and starting afresh beside it), and so does every reader of an encoder
+    (make finetune, export, embed, probe), each naming the git tag whose code reads it."""
+    from evals import features
+
+    runs = tmp_path / "runs"
+    _train(tiny_cache, runs, max_steps=1, ckpt_every=1)
+    path = runs / "t" / "checkpoints" / "step_0000001.pt"
+    st = torch.load(path, weights_only=True)
+    assert st.pop("format") == checkpoint.FORMAT
+    torch.save(st, path)
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(tiny_cache, runs, max_steps=2))
+    tag = f"from before octfm's v1 cut; load it with the tag {BEFORE_V1_TAG}"
+    with pytest.raises(cli.UsageError, match=f"step_0000001.pt: a checkpoint .*{tag}"):
+        pretrain.Trainer(cfg, runtime.setup("cpu", "fp32"))
+    with pytest.raises(cli.UsageError, match=tag):
+        features.checkpoint_encoder(str(runs / "t" / "checkpoints" / "latest.pt"))
 
 
 @pytest.mark.parametrize("old,new", [((2, 1), (2, 2)), ((4, 1), (2, 1)), ((2, 2), (1, 4)), ((3, 1), (1, 3))])

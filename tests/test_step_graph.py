@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_train_args
+from guard_driver import spiked
 from octfm import config
 from train import attention, data, pretrain, runtime
 from train.config import TrainConfig
@@ -15,8 +16,6 @@ from train.model import target_features
 from train.step import ema_update, set_scalar
 
 SMOKE = "configs/pretrain_smoke.yaml"
-# the learning check's architecture in small: stem, peak pooling, max pooling, the local term
-CHECK_LIKE = {"model.stem": "[4]", "model.stem_pool": "max", "model.pool": "max", "loss.local": 1.0}
 
 # ops that read a tensor's value on the host: on CUDA each waits for the device
 HOST_READ_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")
@@ -24,7 +23,8 @@ HOST_READ_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", 
 
 
 def _trainer(cache, runs, precision="fp32", **extra) -> pretrain.Trainer:
-    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, runs, **{**CHECK_LIKE, **extra}))
+    # the recipe in small (stem, peak pooling, max pooling, the local term: the defaults), a stem of 4 channels
+    cfg = config.load(TrainConfig, SMOKE, tiny_train_args(cache, runs, **{"model.stem": "[4]", **extra}))
     return pretrain.Trainer(cfg, runtime.setup("cpu", precision))
 
 
@@ -56,7 +56,7 @@ def _inside(event, name: str) -> bool:
     return False
 
 
-def host_reads_in_steps(tr: pretrain.Trainer, batches: list[dict]) -> tuple[list[str], list[str]]:
+def host_reads_in_steps(tr: pretrain.Trainer, batches: list[dict], net) -> tuple[list[str], list[str]]:
     """(profiled aten reads, Python-level reads) of steady steps: the schedules' advance and
     `update`, as the loop runs them. The CPU build of fused AdamW reads its scalars per tensor
     inside its kernel (the CUDA kernel does not): those are not counted."""
@@ -64,12 +64,12 @@ def host_reads_in_steps(tr: pretrain.Trainer, batches: list[dict]) -> tuple[list
 
     for b in batches:  # warm: AdamW's state exists, every lazy first-call path has run
         tr.advance_schedules()
-        tr.update([b], tr.model)
+        tr.update([b], net)
     mode = HostReads()
     with profile(activities=[ProfilerActivity.CPU]) as prof, mode:
         for b in batches:
             tr.advance_schedules()
-            tr.update([b], tr.model)
+            tr.update([b], net)
     reads = [e.name for e in prof.events() if e.name in HOST_READ_OPS and not _inside(e, "aten::_fused_adamw_")]
     return reads, mode.seen
 
@@ -80,11 +80,13 @@ def test_a_steady_step_reads_nothing_back_to_the_host(tiny_cache, tmp_path):
     update (a spiked loss) takes the same path, so it is stepped too."""
     tr = _trainer(tiny_cache, tmp_path)
     bs = _batches(tr, 2)
-    reads, py_reads = host_reads_in_steps(tr, bs)
-    assert reads == [] and py_reads == [], (reads, py_reads)
-    set_scalar(tr.loss_scale, 1e4)  # every update now refused by the guard
-    reads, py_reads = host_reads_in_steps(tr, bs)
-    assert int(tr.skipped) > 0
+    scale = torch.ones(())
+    net = spiked(tr.model, scale)
+    reads, py_reads = host_reads_in_steps(tr, bs, net)
+    assert reads == [] and py_reads == [] and int(tr.guard.skipped) == 0, (reads, py_reads)
+    set_scalar(scale, 1e4)  # every update now refused by the guard
+    reads, py_reads = host_reads_in_steps(tr, bs, net)
+    assert int(tr.guard.skipped) > 0
     assert reads == [] and py_reads == [], (reads, py_reads)
 
 

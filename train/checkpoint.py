@@ -1,12 +1,13 @@
 """Checkpoints: atomic, local or gs://, loadable with torch.load(weights_only=True).
 
 Everything is stored as tensors and plain Python data (RNG states included), so the safe
-loader accepts it and a checkpoint with a pickled object is refused.
+loader accepts it and a checkpoint with a pickled object is refused. Every file carries its
+`format` (FORMAT); one without it was written before octfm's v1 cut and is refused, naming the
+git tag whose code reads it (train/config.py before_v1).
 
 A save writes one file, step_<N>.pt, and then the pointer latest.txt naming it: the path
 `<ckpt_dir>/latest.pt` that users pass resolves through the pointer (`resolve_latest`), so the
-newest state is on disk once, not twice. Folders saved before the pointer hold a real
-latest.pt (a full copy), which still loads.
+newest state is on disk once, not twice.
 
 "Newest" has one meaning everywhere: the last written, which is the file the pointer names.
 latest.txt holds the write log (the pointed name first, then earlier saves, newest first), so
@@ -29,12 +30,14 @@ import numpy as np
 import torch
 
 from octfm import fsio
-from octfm.cli import JobAborted
+from octfm.cli import JobAborted, UsageError
 from octfm.config import ConfigError
+from train.config import before_v1  # the one message for a file from before the v1 cut
 
 STEP_RE = re.compile(r"step_(\d+)\.pt$")
 LATEST = "latest.pt"    # the name users pass for a run's newest checkpoint
 POINTER = "latest.txt"  # what save writes instead of a copy: the newest step file's name
+FORMAT = 2              # every checkpoint's `format`; the files written before the v1 cut have none
 
 
 def require_shared(ckpt_dir: str, hosts: int, key: str = "ckpt_dir") -> None:
@@ -70,11 +73,11 @@ def step_uri(ckpt_dir: str, step: int) -> str:
 
 
 def resolve_latest(uri: str) -> str:
-    """The file a checkpoint path names: `<dir>/latest.pt`, when no such file exists, is the
-    step file that `<dir>/latest.txt` names (what save writes); any other path is itself.
-    Every reader goes through here, so latest.pt works wherever a checkpoint is accepted."""
+    """The file a checkpoint path names: `<dir>/latest.pt` is the step file that
+    `<dir>/latest.txt` names (what save writes); any other path is itself. Every reader goes
+    through here, so latest.pt works wherever a checkpoint is accepted."""
     uri = str(uri)
-    if posixpath.basename(uri) != LATEST or fsio.exists(uri):
+    if posixpath.basename(uri) != LATEST:
         return uri
     folder = posixpath.dirname(uri)
     log = write_log(folder)
@@ -82,8 +85,8 @@ def resolve_latest(uri: str) -> str:
 
 
 def write_log(ckpt_dir: str) -> list[str]:
-    """The step files' names in write order, newest first, as latest.txt records them (a pointer
-    written before the log holds one name); [] without a pointer."""
+    """The step files' names in write order, newest first, as latest.txt records them; [] without
+    a pointer."""
     pointer = fsio.join(ckpt_dir, POINTER)
     try:
         names = [ln.strip() for ln in fsio.read_text(pointer).splitlines() if ln.strip()]
@@ -115,8 +118,8 @@ def _write_time(info: dict) -> float:
 
 def write_order(ckpt_dir: str) -> list[str]:
     """The step files present, newest write first: any the log does not hold but written after
-    the pointer (a save killed before it pointed), then the log's, then the others (folders
-    from before the log) by step number."""
+    the pointer (a save killed before it pointed), then the log's, then the others (a folder
+    whose first save was killed before it pointed) by step number."""
     fs, base = fsio.filesystem(ckpt_dir)
     if not fs.exists(base):
         return []
@@ -131,12 +134,8 @@ def write_order(ckpt_dir: str) -> list[str]:
 
 
 def candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoints to resume or probe from, newest first (`write_order`), then a real latest.pt
-    of a folder saved before the pointer."""
-    out = [fsio.join(ckpt_dir, n) for n in write_order(ckpt_dir)]
-    if fsio.exists(fsio.join(ckpt_dir, LATEST)):
-        out.append(fsio.join(ckpt_dir, LATEST))
-    return out
+    """Checkpoints to resume or probe from, newest first (`write_order`)."""
+    return [fsio.join(ckpt_dir, n) for n in write_order(ckpt_dir)]
 
 
 def _following_pointer(uri: str, read):
@@ -167,10 +166,10 @@ def identity(uri: str) -> dict:
 
 
 def write(state: dict, uri: str) -> None:
-    """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt). Encoded
-    straight into the file: no second copy of the state in memory."""
+    """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt), with its
+    `format`. Encoded straight into the file: no second copy of the state in memory."""
     with fsio.atomic_writer(uri) as f:
-        torch.save(state, f)
+        torch.save({"format": FORMAT, **state}, f)
 
 
 def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) -> str:
@@ -185,12 +184,7 @@ def save(state: dict, ckpt_dir: str, step: int, keep_last: int | None = None) ->
 def point_latest(ckpt_dir: str, path: str, keep_last: int | None = None) -> None:
     """latest.txt names `path` first, then the earlier saves kept (the write log), atomically;
     then the step files beyond keep_last in write order are deleted (never the pointed one, and
-    only after the pointer stops naming them). A real latest.pt (a copy left by saves before the
-    pointer) is removed first, or it would go on answering for latest.pt."""
-    legacy = fsio.join(ckpt_dir, LATEST)
-    if fsio.exists(legacy):
-        fs, p = fsio.filesystem(legacy)
-        fs.rm(p)
+    only after the pointer stops naming them)."""
     name = posixpath.basename(path)
     log = [name] + [n for n in write_order(ckpt_dir) if n != name]
     kept, dropped = (log[:keep_last], log[keep_last:]) if keep_last else (log, [])
@@ -208,7 +202,8 @@ def list_steps(ckpt_dir: str) -> list[int]:
 
 
 def load(uri: str, map_location="cpu") -> dict:
-    """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`)."""
+    """torch.load with weights_only=True: tensors and plain data only (latest.pt: `resolve_latest`);
+    a file without this FORMAT is refused (UsageError: not damage, which readers skip)."""
     return load_named(uri, map_location)[1]
 
 
@@ -217,7 +212,10 @@ def load_named(uri: str, map_location="cpu") -> tuple[str, dict]:
     checkpoint's `identity` takes it of that file, not of the one latest.pt names after a save
     that landed meanwhile."""
     path, data = _following_pointer(uri, lambda resolved: (resolved, fsio.read_bytes(resolved)))
-    return path, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UsageError(before_v1(f"{path}: a checkpoint (no format {FORMAT})"))
+    return path, state
 
 
 def is_whole(uri: str) -> bool:
@@ -235,8 +233,8 @@ def is_whole(uri: str) -> bool:
 
 
 def newest_whole(ckpt_dir: str, warn=print) -> str | None:
-    """The newest step file (write_order) that is whole (else a real latest.pt when whole),
-    warning about the ones skipped; None when there is none."""
+    """The newest step file (write_order) that is whole, warning about the ones skipped; None
+    when there is none."""
     def scan() -> str | None:
         for uri in candidates(ckpt_dir):
             if is_whole(uri):
@@ -248,10 +246,10 @@ def newest_whole(ckpt_dir: str, warn=print) -> str | None:
 
 
 def load_newest_good(ckpt_dir: str, map_location="cpu", warn=print) -> tuple[str, dict] | None:
-    """The newest checkpoint that reads back whole, newest write first, then a real latest.pt.
+    """The newest checkpoint that reads back whole, newest write first.
 
     A file cut short (a crash mid-copy, a full disk under another writer) is skipped with a
-    warning naming it. A refused pickle is not skipped: that is an error, not wear. A file pruned
+    warning naming it. A refused pickle or format is not skipped: that is an error, not wear. A file pruned
     while we read (another process saved meanwhile) sends us back to the new newest.
     """
     def scan() -> tuple[str, dict] | None:

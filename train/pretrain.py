@@ -9,33 +9,31 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import yaml
-from tqdm import tqdm
 
 from octfm import cli, config, fsio, procs
 from train import checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule
-from train.run_folder import RunFolder
 from train.config import TrainConfig
+from train.loop import TrainLoop
 from train.model import JEPA, objective, target_features
-from train.step import (build_optimizer, compile_modules, ema_update, guarded_step, load_optimizer, set_scalar, to_cpu,
-                        xla_compiles)
+from train.run_folder import RunFolder
+from train.startup import Startup
+from train.step import build_optimizer, compile_modules, ema_update, guarded_step, load_optimizer, to_cpu
 
 
-class Trainer:
-    """Holds the state that a checkpoint captures; `run` is the loop."""
+class Trainer(TrainLoop):
+    """Holds the state that a checkpoint captures; `run` (TrainLoop) runs `_loop`."""
 
     def __init__(self, cfg: TrainConfig, rt: runtime.Runtime, ckpt: str | None = None):
-        self.cfg, self.rt = cfg, rt
-        self.run_dir = Path(cfg.runs_dir) / cfg.name
-        self.ckpt_dir = cfg.ckpt_dir or run_folder.default_checkpoints(self.run_dir)
+        self.cfg = cfg
+        run_dir = Path(cfg.runs_dir) / cfg.name
+        super().__init__(rt, run_dir, cfg.ckpt_dir or run_folder.default_checkpoints(run_dir), cfg.name,
+                         cfg.optim.spike_factor)
         checkpoint.require_shared(self.ckpt_dir, rt.hosts)
         torch.manual_seed(cfg.seed)
         self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
@@ -57,28 +55,27 @@ class Trainer:
         self.horizon = cfg.max_steps  # the step the schedules end at: a resume keeps the checkpoint's
         self.lr = torch.tensor(schedule.learning_rate(0, self.horizon, cfg.optim), device=rt.device)
         self.momentum = torch.tensor(cfg.optim.ema[0], device=rt.device)
-        self.clock = torch.zeros((), device=rt.device)  # self.step on the device, which the schedules read
         self.opt = build_optimizer(self.model, cfg, rt, self.lr)
-        self.loss_mean = torch.full((), float("inf"), device=rt.device)  # no spike test before a first loss
-        self.skipped = torch.zeros((), device=rt.device)
-        self.skip_run = torch.zeros((), device=rt.device)  # consecutive skipped updates (the lockout bound)
-        # Multiplies every micro-batch loss (1 in training): a test hook that injects a loss
-        # spike on one process without touching the code. Set it with set_scalar.
-        self.loss_scale = torch.tensor(1.0, device=rt.device)
-        self.step = 0
         self.consumed = 0  # batches drawn per process: the data position
         self._val = None   # (val row count, loader), built at the first validation
         self._probe = None  # the online probe, built at its first use
-        self.writer = checkpoint.Writer()  # rank 0's checkpoint writes, in the background
-        self.resumed_from = self._maybe_resume(ckpt)
+        self.resumed_from = self._resume(ckpt)
         # the constant buffers (positions) too: left unmarked, the first step read them without a sharding
         # and XLA gave them one after it, so the second step compiled another graph (docs/accelerators.md)
         rt.replicate([*self.state_tensors(), *self.model.buffers(), *self.target.buffers()])
 
+    @property
+    def total(self) -> int:
+        return self.cfg.max_steps
+
+    @property
+    def keep_last(self) -> int | None:
+        return self.cfg.keep_last
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor a step reads and writes back: weights, AdamW state, the device scalars."""
         opt_state = [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
-        scalars = [self.lr, self.momentum, self.clock, self.loss_mean, self.skipped, self.skip_run, self.loss_scale]
+        scalars = [self.lr, self.momentum, self.clock, *self.guard.tensors()]
         return [*self.model.parameters(), *self.target.parameters(), *opt_state, *scalars]
 
     # ------------------------------------------------------------ checkpoints
@@ -87,34 +84,26 @@ class Trainer:
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
             "schedule": {"horizon": self.horizon},
             "data_position": data.data_position(self.consumed, len(self.rows), self.cfg.batch_size, self.rt.world),
-            "step": self.step, "consumed_batches": self.consumed, "loss_mean": self.loss_mean.cpu(),
-            "skipped_updates": self.skipped.cpu(), "consecutive_skips": self.skip_run.cpu(),
+            "step": self.step, "consumed_batches": self.consumed, **self.guard.state(),
             "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
             "resident": self.on_device,
         })
 
-    def _maybe_resume(self, ckpt: str | None) -> str | None:
-        """An explicit CKPT must load; otherwise the run's newest checkpoint that reads whole."""
-        if ckpt:
-            uri, st = ckpt, checkpoint.load(ckpt)
-        else:
-            if self.rt.is_master:
-                fsio.remove_stale_temps(self.ckpt_dir)  # of saves a kill interrupted
-            found = checkpoint.load_newest_good(self.ckpt_dir, warn=print if self.rt.is_master else lambda _: None)
-            if found is None:
-                return None
-            uri, st = found
+    def _resume(self, ckpt: str | None) -> str | None:
+        """From CKPT, which must load, or else from the run's newest checkpoint (TrainLoop.newest_checkpoint)."""
+        found = self.newest_checkpoint(ckpt)
+        if found is None:
+            return None
+        uri, st = found
         self.model.load_state_dict(st["model"])
         self.target.load_state_dict(st["target"])
         load_optimizer(self.opt, st["optimizer"], self.lr)
         self.step = int(st["step"])
         self.consumed = self._resume_position(uri, st)
         self.horizon = self._resume_horizon(st)
-        self.loss_mean.copy_(st["loss_mean"])
-        self.skipped.copy_(st["skipped_updates"])
-        self.skip_run.copy_(st.get("consecutive_skips", torch.zeros(())))  # absent before the lockout bound
+        self.guard.load_state(st)
         checkpoint.set_rng_state(st["rng"])
-        self.on_device = resident.on_resume(self.cfg.data.resident, st.get("resident"), self.rt.device,
+        self.on_device = resident.on_resume(self.cfg.data.resident, st["resident"], self.rt.device,
                                             print if self.rt.is_master else lambda _: None)
         return uri
 
@@ -122,9 +111,7 @@ class Trainer:
         """The checkpoint's place in the data, converted to this run's batch_size and process
         count; refused when no whole number of this run's global batches reaches it."""
         cfg, n = self.cfg, len(self.rows)
-        saved = st.get("config", {})
-        old_batch, old_world = int(saved.get("batch_size", cfg.batch_size)), int(st.get("world", 1))
-        pos = st.get("data_position") or data.data_position(int(st["consumed_batches"]), n, old_batch, old_world)
+        old_batch, old_world, pos = int(st["config"]["batch_size"]), int(st["world"]), st["data_position"]
         start = data.start_batch_for(pos, n, cfg.batch_size, self.rt.world)
         if start is None:
             g = cfg.batch_size * self.rt.world
@@ -139,11 +126,11 @@ class Trainer:
         return start
 
     def _resume_horizon(self, st: dict) -> int:
-        """The schedules' end step as first set (older checkpoints: their config's max_steps).
-        Raising max_steps extends the run with a constant tail at final_lr and the last EMA
-        momentum; lowering it stops the run early with the schedules unchanged."""
+        """The schedules' end step as first set. Raising max_steps extends the run with a constant
+        tail at final_lr and the last EMA momentum; lowering it stops the run early with the
+        schedules unchanged."""
         cfg = self.cfg
-        horizon = int(st.get("schedule", {}).get("horizon") or st["config"]["max_steps"])
+        horizon = int(st["schedule"]["horizon"])
         if cfg.max_steps != horizon and self.rt.is_master:
             if cfg.max_steps > horizon:
                 print(f"resume: max_steps {horizon} -> {cfg.max_steps}: the schedules end at step {horizon}; steps "
@@ -153,20 +140,6 @@ class Trainer:
                 print(f"resume: max_steps {horizon} -> {cfg.max_steps}: the run stops at step {cfg.max_steps}; the "
                       f"schedules keep their horizon {horizon}")
         return horizon
-
-    def save(self, on_saved=None) -> str | None:
-        """Snapshot the state now (state() copies every tensor) and write it in the background
-        (checkpoint.Writer) while training goes on. The write before it is waited for first, so
-        at most one snapshot is held. Every process takes the snapshot where it is a collective
-        (Runtime.collective_snapshot); rank 0 writes it. Returns the path the file will have
-        (rank 0); `on_saved(path)` runs once it exists."""
-        if not (self.rt.is_master or self.rt.collective_snapshot):
-            return None
-        snapshot = self.state()
-        if not self.rt.is_master:
-            return None
-        self.writer.wait()
-        return self.writer.submit(snapshot, self.ckpt_dir, self.step, self.cfg.keep_last, done=on_saved)
 
     def network(self) -> torch.nn.Module:
         """The student as the step calls it: wrapped for DDP, then compiled (`compile: true`)."""
@@ -212,10 +185,9 @@ class Trainer:
     def update(self, batches, net) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward/backward over the micro-batches, clip, guard, step, EMA; no host sync.
 
-        The guard skips an update whose loss or grad norm is not finite or whose loss exceeds
-        optim.spike_factor x the running mean of accepted losses. Everything the decision reads
-        is global (the loss is averaged over processes first; the grad norm is of DDP's
-        all-reduced gradients), so every process decides alike. Returns the global loss."""
+        The update guard (train/guard.py) reads only global values (the loss is averaged over
+        processes first; the grad norm is of DDP's all-reduced gradients), so every process
+        decides alike. Returns the global loss."""
         cfg, rt = self.cfg, self.rt
         accum = len(batches)
         loss_sum = torch.zeros((), device=rt.device)
@@ -225,51 +197,23 @@ class Trainer:
             with rt.autocast():
                 targets = target_features(self.target, x)
             with rt.no_sync(net, i < accum - 1), rt.autocast():
-                loss = net(x, data.mask_pairs(b), targets) * self.loss_scale
+                loss = net(x, data.mask_pairs(b), targets)
             (loss / accum).backward()
             loss_sum = loss_sum + loss.detach().float()
         loss = rt.all_mean(loss_sum / accum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)  # pre-clip norm
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss < cfg.optim.spike_factor * self.loss_mean)
+        ok = self.guard.accepts(loss, grad_norm)
         guarded_step(self.opt, ok)
         # momentum 1 on a skip: target + 0 * (online - target), exact (the online weights are finite)
         ema_update(self.target, self.model.encoder, torch.where(ok, self.momentum, torch.ones_like(self.momentum)))
         self.opt.zero_grad(set_to_none=True)
-        new_mean = torch.where(torch.isinf(self.loss_mean), loss, 0.9 * self.loss_mean + 0.1 * loss)
-        # a new tensor, not written in place: on XLA an in-place write of a tensor the step read before
-        # (the guard's `ok` above) made the second step trace a different graph and compile it again
-        # (tests/xla/test_xla.py holds one compilation of the step; docs/accelerators.md)
-        self.loss_mean = torch.where(ok, new_mean, self.loss_mean)
-        skipped = (~ok).float()
-        self.skipped.add_(skipped)
-        self.skip_run.copy_((self.skip_run + 1.0) * skipped)
+        self.guard.record(ok, loss)
         return loss, grad_norm, targets
 
-    @torch.no_grad()
-    def advance_schedules(self) -> None:
-        """Write this step's learning rate and EMA momentum from the device step clock, then
-        advance it: device ops only, no host copy or sync, one XLA graph for every step."""
-        self.lr.copy_(schedule.learning_rate(self.clock, self.horizon, self.cfg.optim))
-        self.momentum.copy_(schedule.ema_momentum(self.clock, self.horizon, self.cfg.optim))
-        self.clock.add_(1)
-
-    def check_lockout(self) -> None:
-        """Stop (exit 1) after optim.max_consecutive_skips skipped updates in a row. The running
-        mean moves only on accepted steps and skipped steps leave the weights as they were, so
-        such a run would skip for good: a person must decide. Read where the loop already syncs."""
-        limit = self.cfg.optim.max_consecutive_skips
-        n = int(self.skip_run)
-        if not limit or n < limit:
-            return
-        self.writer.wait()  # the save in flight is whole before the newest is named
-        self.rt.barrier()
-        newest = checkpoint.newest_whole(self.ckpt_dir, warn=lambda _: None)
-        raise cli.JobAborted(
-            f"update guard: the last {n} updates up to step {self.step} were all skipped "
-            f"(optim.max_consecutive_skips={limit}): the loss stayed non-finite or above optim.spike_factor="
-            f"{self.cfg.optim.spike_factor} x its running mean {float(self.loss_mean):.4g}. Newest whole checkpoint: "
-            f"{newest or 'none yet'} (the next start resumes from it): raise optim.spike_factor to get past these "
-            f"steps, or inspect their data and learning rate.")
+    def write_schedules(self, clock: torch.Tensor) -> None:
+        """This step's learning rate and EMA momentum (TrainLoop.advance_schedules)."""
+        self.lr.copy_(schedule.learning_rate(clock, self.horizon, self.cfg.optim))
+        self.momentum.copy_(schedule.ema_momentum(clock, self.horizon, self.cfg.optim))
 
     @torch.no_grad()
     def validate(self) -> dict | None:
@@ -298,21 +242,6 @@ class Trainer:
         loss = self.rt.all_mean(total / n)
         return {"step": self.step, "loss": float(loss)}
 
-    # ------------------------------------------------------------ the loop
-    def run(self, progress: bool = True) -> dict:
-        cfg, rt = self.cfg, self.rt
-        log = metrics.MetricsLog(self.run_dir, rt.is_master, cfg.wandb, config.to_dict(cfg))
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=cfg.name, unit="step",
-                   disable=not (progress and rt.is_master), file=sys.stderr, dynamic_ncols=True)
-        try:
-            return self._loop(log, bar)
-        finally:
-            try:
-                self.writer.wait()  # an error exit too: the write in flight finishes, or says why not
-            finally:
-                bar.close()
-                log.close()
-
     def online_probe(self, log: metrics.MetricsLog, postfix: dict) -> None:
         """Score the EMA target encoder (every process computes it, so XLA SPMD hosts run the
         same graphs; rank 0 logs) and show it in the progress line."""
@@ -329,66 +258,62 @@ class Trainer:
         postfix.update({f"{kind}_{t}": "n/a" if v is None else f"{v:.3f}"
                         for t, v in ((k.split("/")[0], v) for k, v in rec.items() if k.endswith(f"/{kind}_bal_acc"))})
 
-    def _loop(self, log: metrics.MetricsLog, bar) -> dict:
-        cfg, rt = self.cfg, self.rt
-        net = self.network()
-        startup = Startup()
-        todo = self.step < cfg.max_steps  # a finished run (the learning check re-enters it) starts no workers
+    # ------------------------------------------------------------ the loop
+    def _start(self, startup: Startup, log: metrics.MetricsLog, bar, postfix: dict):
+        """What runs before the first step, each part a lap of the startup record: the loader
+        (its workers start here and import while the volumes load and the probe runs), the
+        resident volumes, the step-0 online probe. Returns (sampler, batches), None when the run
+        has nothing left to do (the learning check re-enters a finished run: no workers start)."""
+        cfg = self.cfg
+        todo = self.step < cfg.max_steps
         on_device = todo and self.wants_resident()
+        sampler = it = None
         if todo:
             sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
                                       stop_batch=self.consumed + (cfg.max_steps - self.step) * cfg.optim.accum_steps,
                                       volumes=not on_device, worker_log=startup.worker_log)
-            it = iter(rt.loader(dl))  # the workers start here and import while the volumes load and the probe runs
+            it = iter(self.rt.loader(dl))
         startup.lap("loader")
         if on_device:
             self.load_resident(progress=not bar.disable)
         startup.lap("resident")
-        accum = cfg.optim.accum_steps
-        first_loss = last_loss = None
-        postfix: dict = {}
         if cfg.eval_every and self.step == 0 and todo:
             self.online_probe(log, postfix)  # the random-init floor of every probe curve
             bar.set_postfix(postfix, refresh=False)
         startup.lap("online_probe")
+        return sampler, it
+
+    def _loop(self, log: metrics.MetricsLog, bar) -> dict:
+        cfg, rt = self.cfg, self.rt
+        net = self.network()
+        startup = Startup(log, show=rt.is_master and not bar.disable)
+        postfix: dict = {}
+        sampler, it = self._start(startup, log, bar, postfix)
+        accum = cfg.optim.accum_steps
+        first_loss = last_loss = None
         t_last, wait, samples = time.perf_counter(), 0.0, 0
-        set_scalar(self.clock, self.step)  # once per loop (a resume starts mid-schedule); then on the device
+        self.start_clock()
         while self.step < cfg.max_steps:
-            batches = []
-            for _ in range(accum):
-                tw = time.perf_counter()
-                batches.append(self.materialize(rt.to_device(next(it))))
-                wait += time.perf_counter() - tw
-            if startup.pending:
-                startup.lap("first_batch")  # the workers (started at the loader lap) fill their first batches
+            tw = time.perf_counter()
+            batches = [self.materialize(rt.to_device(next(it))) for _ in range(accum)]
+            wait += time.perf_counter() - tw
             self.advance_schedules()  # after the fetch (XLA's loader ends a graph there): in the step's graph
             loss, gnorm, targets = self.update(batches, net)
             rt.sync()
             self.step += 1
             self.consumed += accum
             samples += cfg.batch_size * accum * rt.world
-            if startup.pending:
-                float(loss)  # once: waits for the first step, so its time is the step's and not the next one's
-                startup.lap("first_update")
-                startup.report(self.step, log, rt.is_master and not bar.disable)
+            startup.after_step(self.step, loss, wait)
             bar.update(1)
             self.writer.poll()  # a finished write: W&B hears of it, or its error stops the run
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                now = time.perf_counter()
-                dt = now - t_last
-                rec = {
-                    "step": self.step, "epoch": self.consumed // sampler.batches_per_epoch,
-                    "loss": float(loss), "lr": float(self.lr), "grad_norm": float(gnorm),
-                    "ema_momentum": float(self.momentum), "samples_per_s": samples / dt,
+                dt = time.perf_counter() - t_last
+                rec = self.log_step(log, {
+                    "epoch": self.consumed // sampler.batches_per_epoch, "loss": float(loss), "lr": float(self.lr),
+                    "grad_norm": float(gnorm), "ema_momentum": float(self.momentum), "samples_per_s": samples / dt,
                     "tokens_per_s": samples * self.grid.tokens / dt, "data_wait_frac": min(1.0, wait / dt),
-                    "target_std": metrics.feature_std(targets),
-                    "rankme": metrics.rankme(targets, cfg.rankme_tokens), "skipped_updates": int(self.skipped),
-                    "consecutive_skips": int(self.skip_run),
-                }
-                if rt.kind == "xla":
-                    rec.update(xla_compiles())
-                log.log(rec)
-                self.check_lockout()
+                    "target_std": metrics.feature_std(targets), "rankme": metrics.rankme(targets, cfg.rankme_tokens)})
+                self.guard.check_lockout(cfg.optim.max_consecutive_skips, self.step, self.newest_saved)
                 first_loss = rec["loss"] if first_loss is None else first_loss
                 last_loss = rec["loss"]
                 postfix.update(loss=f"{rec['loss']:.4f}", rankme=f"{rec['rankme']:.1f}")
@@ -405,57 +330,8 @@ class Trainer:
                 self.save(on_saved=functools.partial(log.log_checkpoint, step=self.step))
             if any(every and self.step % every == 0 for every in (cfg.ckpt_every, cfg.val_every, cfg.eval_every)):
                 t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
-        self.writer.wait()  # the last checkpoint is down before the run says it is done,
-        rt.barrier()        # and no process leaves before it is
         return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
-                "skipped_updates": int(self.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
-
-
-class Startup:
-    """Where a run's first seconds go before steady steps (the loader, whose workers start there,
-    the resident volumes, the step-0 online probe, the first batch, the first update with its
-    kernel loading, selection or compilation), and when each loader worker was forked and ready:
-    one `startup` record in metrics.jsonl and one printed line. The first H200 runs spent 92-97 s
-    before their first step, the workers starting one after another (docs/accelerators.md)."""
-
-    def __init__(self):
-        self.t = time.perf_counter()
-        self.laps: dict[str, float] = {}
-        self.pending = True
-        # removed with this object or at the report; a worker ready later finds no file and writes nothing
-        self._dir = tempfile.TemporaryDirectory(prefix="octfm-startup-", ignore_cleanup_errors=True)
-        self.worker_log = str(Path(self._dir.name) / "workers.jsonl")
-        Path(self.worker_log).touch()  # the workers append to it, never create it (data.note_worker_start)
-        self.wall = time.time()  # the loader's workers date their start in wall-clock time
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[f"{name}_s"] = round(now - self.t, 3)
-        self.t = now
-
-    def workers(self) -> dict:
-        """When the loader's workers were forked and became ready (imports and the dataset's
-        unpickling done), seconds after the loop began: the last fork, the first and the last
-        ready among those ready by now (process start times to the kernel's clock tick, 1/100 s)."""
-        recs = [json.loads(line) for line in Path(self.worker_log).read_text().splitlines()]
-        if not recs:  # no worker processes (data.workers: 0), or none ready yet
-            return {}
-        ready = sorted(r["ready"] - self.wall for r in recs)
-        return {"workers_ready": len(recs), "workers_last_forked_at": round(max(r["forked"] for r in recs) - self.wall, 3),
-                "workers_first_ready_at": round(ready[0], 3), "workers_last_ready_at": round(ready[-1], 3)}
-
-    def report(self, step: int, log: metrics.MetricsLog, show: bool) -> None:
-        self.pending = False
-        workers = self.workers()
-        log.log({"step": step, **self.laps, "total_s": round(sum(self.laps.values()), 3), **workers},
-                prefix="startup")
-        self._dir.cleanup()
-        if show:
-            parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in self.laps.items())
-            more = (f"; {workers['workers_ready']} loader workers ready by then, forked by "
-                    f"{workers['workers_last_forked_at']:.1f} s, ready from {workers['workers_first_ready_at']:.1f} to "
-                    f"{workers['workers_last_ready_at']:.1f} s") if workers else ""
-            tqdm.write(f"pretrain: started in {sum(self.laps.values()):.1f} s ({parts}){more}", file=sys.stderr)
+                "skipped_updates": int(self.guard.skipped), "run_dir": str(self.run_dir), "ckpt_dir": self.ckpt_dir}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
