@@ -1,7 +1,7 @@
 """The learning check as a benchmark section: `make learning-check` for each cue run as a
 subprocess (cohorts and caches under the bench folder; the scanners cue reuses the lesions
-cohort's pretraining), its verdict, the paired differences, the label-efficiency curve and the
-wall and CPU seconds of each stage. --quick: a small cohort and a few steps (a smoke of the
+cohort's pretraining), its verdict lines (one per question), the paired differences, the
+label-efficiency curve and the wall and CPU seconds of each stage. --quick: a small cohort and a few steps (a smoke of the
 code, not the result)."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from check.cohort import CUES
+from check.verdicts import verdict_lines
 
 QUICK = ["--participants", "24", "--bootstrap", "200", "max_steps=20", "ckpt_every=20", "log_every=10"]
 
@@ -30,12 +31,13 @@ def run(workdir: Path, quick: bool = False):
     keep, lines = {}, ["## Learning check (pretrained vs random-init encoder, one cue at a time)", ""]
     for cue in CUES:
         res = one_cue(workdir, cue, quick)
-        keep[cue] = {"verdict": res["verdict"], "step": res["step"], "stages": res["stages"],
+        keep[cue] = {"verdict": res["verdict"], "verdicts": verdict_lines(res), "step": res["step"],
+                     "stages": res["stages"],
                      "tasks": {t: v["comparisons"]["chosen_on_val"] for t, v in res["tasks"].items()},
                      "supervised_reference": res.get("supervised_reference") or {},
                      "label_efficiency": res["label_efficiency"]}
         total = sum(v["wall_s"] for v in res["stages"].values())
-        lines += [f"### {cue}", "", res["verdict"], ""]
+        lines += [f"### {cue}", "", *verdict_lines(res), ""]
         for p in res["label_efficiency"]["points"]:
             sup = p.get("supervised")
             lines.append(f"- {round(100 * p['fraction'])}% of labels: pretrained {p['pretrained']['balanced_accuracy']:.3f}, "

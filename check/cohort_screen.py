@@ -1,6 +1,7 @@
 """`python -m check.cohort_screen`: is a labelled cache's class cue local, and learnable by the
 recipe's encoder? Label-aware measurements only, so a cohort can be qualified for the learning
-check before any pretraining runs on it (docs/learning-check.md, decisions 2, 3 and 7).
+check before any pretraining runs on it (docs/history/learning-check.md: the cohort's difficulty set by
+label-aware screens, lesions at the scale of the tokens, three cues).
 
 Three numbers, each a balanced accuracy on the binary `diabetic` task:
 - global statistics (mean, std, percentiles and retinal thickness of each cached volume) in a logistic regression,
@@ -45,7 +46,7 @@ from train.config import TrainConfig
 from train.model import Encoder
 
 TASK = "diabetic"
-QUALIFY = {"supervised_val": 0.65, "global_below": 0.58}  # decision 2's bar
+QUALIFY = {"supervised_val": 0.65, "global_below": 0.58}  # the screens' bar (docs/history/learning-check.md)
 
 
 def retinal_thickness(vol: np.ndarray) -> float:

@@ -12,7 +12,8 @@ a difference read from one run per init is mostly noise (issue 41, item 4).
   and paired on the same test participants: per seed, the mean over seeds (each bootstrap resample
   averages the seeds' differences), and the second folder minus the first.
 
-docs/learning-check.md, decision 11, is the measurement this was written for.
+docs/history/learning-check.md (what issue 40's fine-tuning fixes do to the fine-tuning rows) is the
+measurement this was written for.
 """
 from __future__ import annotations
 

@@ -7,16 +7,17 @@ builds the cache, pretrains the recipe (configs/pretrain_check.yaml, the product
 check size; `ARGS` overrides its keys), and probes the final checkpoint, a random-init encoder
 of the same architecture, the majority class and a supervised reference (`make finetune` from
 random init: the same architecture trained on the labels) with the same heads on the same
-participants. It reports test balanced accuracy pretrained minus random-init with a
-paired bootstrap interval over participants for both tasks, label-efficiency curves (probes on
-10%, 25% and 100% of the labelled train participants, the supervised reference trained on the
-same subsets), for `CUE=scanners` every scanner held out in turn and, with `--finetune`
-(FINETUNE=1), `make finetune` from the checkpoint and from random init on 10% and 100% of the
-labels against the frozen probe (the head val chose). Every stage is
-resumable: a re-run does only what is left. Writes <out>/<cue>/result.json, result.md and
-result.png (and, as soon as the features exist, result_interim.json and .md with the headline rows,
-for a run cut short; an earlier run's result files move to <out>/<cue>/previous/ as it starts);
-docs/learning-check.md keeps the decisions behind it.
+participants. It reports test balanced accuracy pretrained minus random-init with a paired
+bootstrap interval over participants for both tasks, the frozen probes' label-efficiency curve
+(10%, 25% and 100% of the labelled train participants) with the supervised reference at 10%
+(`--curve`, CURVE=1: at every fraction), for `CUE=scanners` every scanner held out in turn and,
+with `--finetune` (FINETUNE=1), `make finetune` from the checkpoint and from random init on 10%
+and 100% of the labels against the frozen probe (the head val chose). One verdict line per
+question: does pretraining learn, label efficiency, fine-tuning. Every stage is resumable: a
+re-run does only what is left. Writes <out>/<cue>/result.json, result.md and result.png (and,
+as soon as the features exist, result_interim.json and .md with the headline rows, for a run
+cut short; an earlier run's result files move to <out>/<cue>/previous/ as it starts). The
+settings are a CheckConfig (check/config.py); docs/recipe.md, The learning check, says why.
 """
 from __future__ import annotations
 
@@ -30,49 +31,28 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from check import token_probe
-from check.cohort import BINARY, COHORT, CUES, DEV_SEED, build_cache, cohort, eval_device
+from check.cohort import BINARY, CUES, build_cache, cohort, eval_device
+from check.config import FINETUNE_FRACTIONS, FRACTIONS, SIZES, CheckConfig
 from check.keys import finetune_tag, recipe_name
 from check.report import markdown, plot, probe_line, set_aside_results, write_result
 from check.rows import (
     curve_fits, headline_probes, online_curve, probe_all, reference_training, supervised_features,
     training_summary)
-from check.verdicts import finetune_against_supervised, finetune_verdict, pct, verdict
+from check.verdicts import (
+    finetune_against_supervised, finetune_verdict, label_efficiency_verdict, pct, verdict, verdict_lines)
 from evals import finetune, probe
 from evals.config import ProbeConfig
 from ingest import synth
 from octfm import cli, config
-from octfm.procs import call_job, cpu_seconds, in_processes
+from octfm.procs import call_job, cpu_seconds, git_commit, in_processes
 from train import checkpoint, pretrain, runtime
 from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """One size of the check (make learning-check SIZE=...): the production recipe at that size
-    (one cohort and cache for all), the fine-tuning recipe's size keys (configs/finetune.yaml is
-    the one recipe for both starts and for the references, which are its from-scratch runs; a GPU's
-    batch of 128 needs a step budget and val scores by steps, as decision 17 set for the references
-    then), and how many random-init encoders its random-init rows average (decision 44)."""
-    config: str
-    finetune_args: tuple[str, ...] = ()
-    # the references, fine-tuning runs and headline tasks at once, each in its own process (Stages.together), on
-    # this many torch threads each (0: torch's default, the machine's cores); None: one after another
-    together: int | None = None
-    random_draws: int = 3   # random-init encoders whose mean each random-init row reads (decision 44)
-
-
-# the CPU size at once too (decision 47): three single-thread processes run 1.5x the steps per second of one
-# process on both cores (this model's kernels are too small to use two threads well; docs/measurements.md)
-SIZES = {"cpu": Size("configs/pretrain_check.yaml", together=1),
-         "gpu": Size("configs/pretrain_check_gpu.yaml",
-                     ("batch_size=128", "epochs=100000", "max_steps=3700", "val_every=50", "patience=4", "workers=null"),
-                     together=0, random_draws=5)}
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
-FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants, for the label-efficiency curves
-FINETUNE_FRACTIONS = (0.1, 1.0)  # `--finetune`: make finetune from the checkpoint and from random init
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 80 epochs' 31,400
 # the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
 TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
@@ -99,7 +79,7 @@ class Stages:
         once: at GPU size the supervised references, the fine-tuning runs and the curve's probe
         heads each leave the GPU mostly idle by their step rates (a host-bound step of batch 128,
         a step of batch 4, a head step of batch 32; docs/accelerators.md), at most TOGETHER_MAX
-        at once, started in the order given, on `threads` torch threads each (Size.together: one at
+        at once, started in the order given, on `threads` torch threads each (Size.threads: one at
         CPU size, 0 at GPU size for torch's default). Each job's wall and CPU seconds are its own
         process's; `group`'s wall is the jobs' together."""
         print(f"learning-check: {group}: {len(jobs)} jobs, {min(len(jobs), TOGETHER_MAX)} at once ...", flush=True)
@@ -131,7 +111,7 @@ class Tuned(NamedTuple):
 def training_seeds(cohort_seed: int | None, probe_seed: int, n: int) -> list[int | None]:
     """Fine-tuning run k's training seed, which also draws the random start's weights. A generated cohort's are
     its own (1000 x cohort seed + k), so two cohorts' from-scratch runs never start from the same encoder and two
-    fresh-seed confirmations are two draws (decision 56, docs/learning-check.md); on a SOURCE root, the probes'
+    fresh-seed confirmations are two draws (docs/recipe.md, The learning check); on a SOURCE root, the probes'
     seed + k (k = 0: None, the run's own seed)."""
     if cohort_seed is None:
         return [None if k == 0 else probe_seed + k for k in range(n)]
@@ -141,16 +121,15 @@ def training_seeds(cohort_seed: int | None, probe_seed: int, n: int) -> list[int
 def baseline_seed(cohort_seed: int | None) -> int | None:
     """Where the frozen rows' random-init draws' init seeds start (ProbeConfig.baseline_seed; draw d's is
     this + d). A generated cohort's are its own, 1000 x cohort seed + 500, apart from its fine-tuning
-    starts (1000 x cohort seed + k) and from every other cohort's (decision 60); None on a SOURCE root:
-    the probes' seed + d, as before."""
+    starts (1000 x cohort seed + k) and from every other cohort's (docs/recipe.md, The learning check); None
+    on a SOURCE root: the probes' seed + d."""
     return None if cohort_seed is None else 1000 * cohort_seed + 500
 
 
 def probe_config(cache_dir: Path, n_boot: int, random_draws: int, device: str, probe_args: Sequence[str],
                  cohort_seed: int | None) -> ProbeConfig:
     """The check's probes: configs/probe.yaml, the check's keys, then --probe. `cohort_seed`: the generated
-    cohort whose own random-init draws the rows read (baseline_seed, decision 60); None (a SOURCE root, or
-    --shared-random-draws): the probes' seed + d."""
+    cohort whose own random-init draws the rows read (baseline_seed); None (a SOURCE root): the probes' seed + d."""
     draws_from = baseline_seed(cohort_seed)
     return config.load(ProbeConfig, "configs/probe.yaml",
                        [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
@@ -191,39 +170,24 @@ def job_name(init: str, fraction: float, train_seed: int | None = None) -> str:
     return f"fine-tuning ({init} init{seed}), {pct(fraction)} of labels"
 
 
-def check(source: str | None, work: Path, out: Path, config_path: str, overrides: Sequence[str],
-          cue: str = "lesions", seed: int = DEV_SEED, participants: int = COHORT.participants, n_boot: int = 1000,
-          probe_args: Sequence[str] = (), with_supervised: bool = True, fractions=FRACTIONS,
-          finetune_fractions: Sequence[float] = (), finetune_args: Sequence[str] = (), finetune_seeds: int = 1,
-          reference_fractions: Sequence[float] | None = None, together: int | None = None,
-          random_draws: int = 1, shared_training_seeds: bool = False, shared_random_draws: bool = False) -> dict:
-    """The whole check for one cue; every stage reuses what an earlier run finished.
-    `random_draws`: the random-init encoders whose mean every random-init row reads (decision 44;
-    the size's, from main), a generated cohort's own unless `shared_random_draws` (decision 60).
-    `finetune_args`: configs/finetune.yaml overrides for every fine-tuning run, the references' included
-    (the size's, then the command line's).
-    `reference_fractions`: the label fractions that get a supervised reference (None: every one
-    of the curve's; the curve keeps its frozen rows at the others). A reference is `make finetune`
-    from random init at its fraction: the very run the fine-tuning rows set the checkpoint against.
-    `together` (not None): the references and fine-tuning runs each in its own process at once
-    (Stages.together), and the headline's two tasks, on that many torch threads each (0: torch's
-    default); None: one after another (Size.together)."""
-    spec = CUES[cue]
-    stages, generated = Stages(), source is None
+def check(cfg: CheckConfig) -> dict:
+    """The whole check for one cue; every stage reuses what an earlier run finished. The supervised
+    references are `make finetune` from random init at cfg.reference_fractions: the very runs the
+    fine-tuning rows set the checkpoint against (one run where both want it)."""
+    spec, cue, work, out, n_boot = CUES[cfg.cue], cfg.cue, Path(cfg.work), Path(cfg.out), cfg.bootstrap
+    config_path, overrides, together = cfg.pretrain_config, cfg.overrides, cfg.threads
+    stages, generated, source = Stages(), cfg.source is None, cfg.source
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
-    if reference_fractions is not None and not set(reference_fractions) <= set(fractions):
-        raise cli.UsageError(f"--reference-fraction {sorted(set(reference_fractions) - set(fractions))}: not on the "
-                             f"label-efficiency curve ({', '.join(map(str, fractions))})")
-    home = work / f"{spec.cohort_name}_seed{seed}"
+    home = work / f"{spec.cohort_name}_seed{cfg.seed}"
     cache_dir = home / "cache" if generated else work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
-    pcfg = probe_config(cache_dir, n_boot, random_draws, device, probe_args,  # refuse bad --probe keys before any work
-                        seed if generated and not shared_random_draws else None)
+    cohort_seed = cfg.seed if generated else None  # the cohort's own training seeds and random-init draws
+    pcfg = probe_config(cache_dir, n_boot, cfg.draws, device, cfg.probe, cohort_seed)  # bad --probe keys: before work
     dest = out / cue
     if set_aside_results(dest):  # an earlier run's: never beside this run's interim result (a run cut short)
         print(f"learning-check: moved the earlier run's result files to {dest / 'previous'}/", flush=True)
     if generated:
-        cfg = dataclasses.replace(spec.cohort, seed=seed, participants=participants)
-        source = stages.run("cohort", lambda: cohort(home / "source", cfg))
+        cohort_cfg = dataclasses.replace(spec.cohort, seed=cfg.seed, participants=cfg.participants)
+        source = stages.run("cohort", lambda: cohort(home / "source", cohort_cfg))
     cache = stages.run("cache", lambda: build_cache(source, cache_dir))
     run_dir = stages.run("pretrain", lambda: pretrain_run(config_path, cache, out, overrides))
     ckpt = checkpoint.newest_whole(RunFolder(run_dir).checkpoints())
@@ -231,10 +195,10 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     reads_tokens = spec.protocol == "splits" and (Path(source) / synth.LESION_TABLE).exists()  # the token probe runs
     grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
-    # the fine-tuning runs' and references' training seeds, run k's at k (decision 56)
-    t_seeds = training_seeds(seed if generated and not shared_training_seeds else None, pcfg.seed, finetune_seeds)
-    about = {"cue": cue, "what": spec.what, "protocol": spec.protocol, "target": spec.target,
-             "source": source, "cohort_seed": seed if generated else None,
+    t_seeds = training_seeds(cohort_seed, pcfg.seed, cfg.finetune_seeds)  # the fine-tuning runs' and references'
+    about = {"cue": cue, "size": cfg.size, "commit": git_commit(Path(__file__).resolve().parents[1]),
+             "what": spec.what, "protocol": spec.protocol, "target": spec.target,
+             "source": source, "cohort_seed": cohort_seed,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
              "objective": objective(config.load(TrainConfig, config_path, overrides).loss),
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
@@ -242,10 +206,9 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
              "random_init_seeds": probe.draw_seeds(pcfg)}
     head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
     splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
-    ref_fracs = sorted(fractions if reference_fractions is None else reference_fractions, reverse=True) \
-        if with_supervised and splits else []
-    tune_keys = [(frac, init, k) for frac in sorted(finetune_fractions) for init in ("pretrained", "random")
-                 for k in range(finetune_seeds)] if splits else []
+    ref_fracs = sorted(cfg.reference_fractions, reverse=True) if splits else []
+    tune_keys = [(frac, init, k) for frac in sorted(cfg.finetune_fractions) for init in ("pretrained", "random")
+                 for k in range(cfg.finetune_seeds)] if splits else []
     # a reference is the from-scratch run at its fraction (training seed k=0): one run where both want it
     run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
     # at once, the curve's own heads join them: they need no reference (curve_fits)
@@ -253,12 +216,12 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
     # each job: a module-level function and its arguments, so that it can run in its own process
     runs = {(frac, init, k): (job_name(init, frac, None if k == 0 else t_seeds[k]),
                               (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
-                                           pcfg.seed, n_boot, finetune_args, device, t_seeds[k], not at_once)))
+                                           pcfg.seed, n_boot, cfg.tuning_args, device, t_seeds[k], not at_once)))
             for frac, init, k in run_keys}
     jobs = dict(runs.values())
     if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
         mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
-        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], fractions)), **jobs}
+        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], FRACTIONS)), **jobs}
     done = stages.together("references and fine-tuning", jobs, together) if at_once else \
         {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
     sup, sup_training, tuned = {}, {}, {}
@@ -270,14 +233,17 @@ def check(source: str | None, work: Path, out: Path, config_path: str, overrides
             sup[frac], sup_training[pct(frac)] = feats_f, reference_training(refs[frac].run)
     for frac, init, k in tune_keys:
         tuned.setdefault(frac, {}).setdefault(init, []).append(done[runs[(frac, init, k)][0]].prob)
-    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, fractions, n_boot,
+    scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, FRACTIONS, n_boot,
                                                     tuned, head, done.get(CURVE_JOB)))
     result = {**about, **scores, "supervised_reference": scores.get("supervised_reference", {}),
-              "supervised_training": sup_training, "finetune_args": list(finetune_args),
+              "supervised_training": sup_training, "finetune_args": list(cfg.tuning_args),
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if spec.protocol == "scanners":
         result["pretraining"] = TRANSDUCTIVE
-    result["verdict"] = verdict(result)
+    result["verdict"] = verdict(result)  # does pretraining learn: the headline
+    efficiency = label_efficiency_verdict(result)
+    if efficiency:
+        result["label_efficiency"]["verdict"] = efficiency
     if "finetune" in result:
         result["finetune"]["runs"] = [done[runs[key][0]].run for key in tune_keys]
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
@@ -312,77 +278,67 @@ def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, to
     return head
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="make learning-check", description=__doc__)
-    ap.add_argument("--source", default=None, help="AI-READI-shaped dataset root with labels (default: the cohort)")
-    ap.add_argument("--work", default="data/learning_check", help="where the cohort and its cache go")
-    ap.add_argument("--out", default="runs/learning_check")
-    ap.add_argument("--size", choices=list(SIZES), default="cpu",
-                    help="the check's size (make SIZE=...): cpu, or gpu for one H100/H200 (configs/pretrain_check_gpu.yaml)")
-    ap.add_argument("--config", default=None, help="the pretraining config (default: the size's)")
-    ap.add_argument("--cue", choices=list(CUES), default="lesions", help="the kind of class cue (make CUE=...)")
-    ap.add_argument("--seed", type=int, default=DEV_SEED,
-                    help=f"the generated cohort's seed (default {DEV_SEED}, the development cohorts')")
-    ap.add_argument("--participants", type=int, default=COHORT.participants, help="cohort size")
-    ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--probe", action="append", default=[], help="a probe config override (key=value)")
-    ap.add_argument("--no-supervised", action="store_true",
-                    help="skip the supervised references (make finetune from random init at the curve's fractions)")
-    ap.add_argument("--reference-fraction", action="append", type=float, default=None, choices=FRACTIONS,
-                    help="train the supervised reference at this label fraction only (repeatable; default every "
-                         "fraction of the curve): a lent GPU's call that holds the 10%% reference, not all three")
-    ap.add_argument("--one-at-a-time", action="store_true",
-                    help="train the supervised references and fine-tuning runs one after another (both sizes "
-                         "run them at once, each in its own process; the CPU size on one thread each)")
+def parse(argv: Sequence[str] | None = None) -> CheckConfig | str:
+    """The command line as a CheckConfig (each flag a key of it; `--set KEY=VALUE` any key, last),
+    or `--line`'s run folder."""
+    ap = argparse.ArgumentParser(prog="make learning-check", description=__doc__, argument_default=argparse.SUPPRESS)
+    ap.add_argument("--source", help="AI-READI-shaped dataset root with labels (default: the generated cohort)")
+    ap.add_argument("--work", help="where the cohort and its cache go (default data/learning_check)")
+    ap.add_argument("--out", help="the runs and <out>/<cue>/result.* (default runs/learning_check)")
+    ap.add_argument("--size", choices=list(SIZES),
+                    help="the check's size (make SIZE=...): cpu (default), or gpu for one H100/H200")
+    ap.add_argument("--config", help="the pretraining config (default: the size's)")
+    ap.add_argument("--cue", choices=list(CUES), help="the kind of class cue (make CUE=...; default lesions)")
+    ap.add_argument("--seed", type=int, help="the generated cohort's seed (make SEED=...)")
+    ap.add_argument("--participants", type=int, help="the generated cohort's size")
+    ap.add_argument("--bootstrap", type=int, help="participant resamples of every interval")
+    ap.add_argument("--probe", action="append", metavar="KEY=VALUE", help="a probe config override (key=value; repeatable)")
+    refs = ap.add_mutually_exclusive_group()
+    refs.add_argument("--curve", action="store_true",
+                      help="a supervised reference at every fraction of the curve (make CURVE=1), not only at 10%%")
+    refs.add_argument("--no-supervised", action="store_true", help="no supervised reference")
     ap.add_argument("--finetune", action="store_true",
                     help="also fine-tune the checkpoint and a random-init encoder end to end (make finetune) on "
-                         f"{', '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
-    ap.add_argument("--finetune-fraction", action="append", type=float, default=None,
-                    help=f"with --finetune, fine-tune on this label fraction only (repeatable; default "
-                         f"{' and '.join(str(f) for f in FINETUNE_FRACTIONS)})")
-    ap.add_argument("--finetune-arg", action="append", default=[], help="a fine-tuning config override (key=value)")
-    ap.add_argument("--finetune-seeds", type=int, default=1,
-                    help="with --finetune, training seeds per init on the same participants; rows are their mean "
-                         "(make FT_SEEDS=...); on a generated cohort they are its own, the supervised references' "
-                         "too (decision 56)")
-    ap.add_argument("--shared-training-seeds", action="store_true",
-                    help="fine-tune and train the supervised references with the probes' seed + k on every cohort, "
-                         "as before decision 56 (reproduces the rows read before it)")
-    ap.add_argument("--shared-random-draws", action="store_true",
-                    help="draw the frozen rows' random-init encoders with the probes' seed + d on every cohort, as "
-                         "before decision 60 (reproduces the rows read before it)")
-    ap.add_argument("--random-draws", type=int, default=None,
-                    help="random-init encoders whose mean each random-init row reads (default: the size's, "
-                         + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + "; decision 44)")
-    ap.add_argument("--line", metavar="RUN", default=None,
-                    help="only print the one-line comparison from RUN/probe (no work)")
+                         f"{' and '.join(pct(f) for f in FINETUNE_FRACTIONS)} of labels (make FINETUNE=1)".replace("%", "%%"))
+    ap.add_argument("--finetune-fraction", dest="finetune_fractions", action="append", type=float, metavar="FRACTION",
+                    help="fine-tune on this label fraction only (repeatable; implies --finetune)")
+    ap.add_argument("--finetune-arg", dest="finetune_args", action="append", metavar="KEY=VALUE",
+                    help="a fine-tuning config override (key=value; repeatable)")
+    ap.add_argument("--finetune-seeds", type=int,
+                    help="training seeds per init on the same participants; rows are their mean (make FT_SEEDS=...)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="train the references and fine-tuning runs one after another, not each in its own process")
+    ap.add_argument("--set", dest="keys", action="append", metavar="KEY=VALUE",
+                    help="any CheckConfig key (check/config.py), after the flags: e.g. random_draws=1 (default: the "
+                         "size's, " + ", ".join(f"{k} {v.random_draws}" for k, v in SIZES.items()) + ")")
+    ap.add_argument("--line", metavar="RUN", help="only print the one-line comparison from RUN/probe (no work)")
     ap.add_argument("overrides", nargs="*", help="pretraining config overrides (make ARGS)")
-    a = ap.parse_args(argv)
-    if a.line:
-        print(probe_line(RunFolder(a.line).probe))
+    flags = vars(ap.parse_intermixed_args(argv))
+    if "line" in flags:
+        return flags["line"]
+    keys = config.parse_overrides(flags.pop("keys", []), "--set")
+    if flags.pop("curve", False):
+        flags["reference_fractions"] = FRACTIONS
+    if flags.pop("no_supervised", False):
+        flags["reference_fractions"] = ()
+    if flags.pop("finetune", False):
+        flags.setdefault("finetune_fractions", FINETUNE_FRACTIONS)
+    if flags.pop("one_at_a_time", False):
+        flags["together"] = False
+    return config.from_dict(CheckConfig, config.merge(flags, keys), where="make learning-check")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse(argv)
+    if isinstance(cfg, str):
+        print(probe_line(RunFolder(cfg).probe))
         return 0
-    if a.random_draws is not None and a.random_draws < 1:
-        raise cli.UsageError(f"--random-draws: {a.random_draws}; needs at least 1")
-    if a.finetune_seeds < 1:
-        raise cli.UsageError(f"--finetune-seeds (FT_SEEDS): {a.finetune_seeds}; needs at least 1")
     t0 = time.perf_counter()
-    size = SIZES[a.size]
-    r = check(a.source, Path(a.work), Path(a.out), a.config or size.config, a.overrides, a.cue, a.seed, a.participants,
-              a.bootstrap, a.probe, with_supervised=not a.no_supervised,
-              finetune_fractions=(a.finetune_fraction or FINETUNE_FRACTIONS) if a.finetune else (),
-              finetune_args=[*(size.finetune_args if a.config is None else ()), *a.finetune_arg],
-              finetune_seeds=a.finetune_seeds,
-              reference_fractions=a.reference_fraction, together=None if a.one_at_a_time else size.together,
-              random_draws=a.random_draws or size.random_draws, shared_training_seeds=a.shared_training_seeds,
-              shared_random_draws=a.shared_random_draws)
+    r = check(cfg)
     print(markdown(r))
-    print(f"learning-check: wrote {Path(a.out) / a.cue}/result.json, result.md, result.png in "
+    print(f"learning-check: wrote {Path(cfg.out) / cfg.cue}/result.json, result.md, result.png in "
           f"{time.perf_counter() - t0:.0f}s")
-    print(r["verdict"])
-    if "finetune" in r:
-        if r["finetune"].get("against_supervised"):
-            print(r["finetune"]["against_supervised"])
-        print(r["finetune"]["verdict"])
+    print("\n".join(verdict_lines(r)))
     return 0
 
 

@@ -1,9 +1,9 @@
 """The learning check's probes (check/learning_check.py), on features extracted once per encoder.
 
 Every head kind of the probe config is fit on a fold's train rows with its hyperparameters chosen
-on the val rows; the fold's head kind is chosen on val by the one-standard-error rule (decision 8,
-docs/learning-check.md), and heads are scored on the test rows. The headline reads both encoders
-through one kind per fold, chosen on their mean val (decision 49: pair_choice). A fold is the cohort's own split,
+on the val rows; the fold's head kind is chosen on val by the one-standard-error rule (docs/recipe.md,
+Probes), and heads are scored on the test rows. The headline reads both encoders through one kind
+per fold, chosen on their mean val (pair_choice). A fold is the cohort's own split,
 or, for the scanners cue, three scanners' train and val rows with the fourth scanner's test rows
 held out, each scanner in turn (evals/subsets.py). A label fraction narrows every fold's train
 rows to the same participants for every encoder. Encoders are compared on the same test rows
@@ -97,7 +97,7 @@ def fit_encoders(cfg: ProbeConfig, feats: list[dict], task: str, rows: list[dict
 
 def one_se_choice(fitted: dict, y: np.ndarray, groups: np.ndarray, va: np.ndarray, k: int, n_boot: int,
                   seed: int) -> str:
-    """The head kind a fold uses (decision 8): the simplest kind (SIMPLEST_FIRST) whose val balanced
+    """The head kind a fold uses: the simplest kind (SIMPLEST_FIRST) whose val balanced
     accuracy is within one standard error of the best kind's, the error being the participant
     bootstrap's spread of the paired val difference. On a val split of about 150 participants two
     near-equal heads are ranked by chance, and the best of a grid of noisier heads is the more
@@ -114,7 +114,7 @@ def one_se_choice(fitted: dict, y: np.ndarray, groups: np.ndarray, va: np.ndarra
 
 
 def pair_choice(fitted: list[dict]) -> tuple[str, dict]:
-    """The head kind a fold's headline reads every encoder through (decision 49, docs/learning-check.md),
+    """The head kind a fold's headline reads every encoder through (docs/recipe.md, Probes),
     and the pair's val balanced accuracy of each kind: the kind with the best mean val score over the
     pretrained encoder (fitted[0]) and random init (the others, its draws, whose mean counts once, as
     its row reads their mean), a half each; ties by the mean val AUROC, then the simpler kind. One
@@ -169,10 +169,10 @@ def mean_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray,
 def seed_resampled_paired(task: str, rows: list[dict], a: list, b: list, mask: np.ndarray, n_boot: int, seed: int) -> dict:
     """The mean over training seeds of a[i] - b[i] (runs paired by seed), with an interval from a two-stage
     bootstrap that draws the seeds with replacement as well as the participants. mean_paired's interval holds
-    the seeds fixed, so it leaves out how far another draw of training seeds would move the mean (decision 54,
-    docs/learning-check.md). Coarse with few seeds: at three, one seed drawn three times is 1 draw in 9 (each 1 in
-    27), so the bounds sit near the lowest and highest per-seed differences, blurred by the participants'
-    spread; it is a reading of how far the seeds disagree, not a calibrated 95% interval, and not the verdict's."""
+    the seeds fixed, so it leaves out how far another draw of training seeds would move the mean
+    (docs/history/learning-check.md: the fine-tuning mean's interval with the training seeds drawn too).
+    Coarse with few seeds: at three, one seed drawn three times is 1 draw in 9 (each 1 in 27), so the
+    bounds sit near the lowest and highest per-seed differences, blurred by the participants' spread; it is a reading of how far the seeds disagree, not a calibrated 95% interval, and not the verdict's."""
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"seed_resampled_paired: needs two or more runs per side, paired by seed (got {len(a)} and {len(b)})")
     y, _, groups, k = task_arrays(task, rows)
@@ -192,8 +192,8 @@ def seed_resampled_paired(task: str, rows: list[dict], a: list, b: list, mask: n
 
 
 def draws(fit) -> list[dict]:
-    """An encoder's fits as a list: a random-init row reads the mean of several draws (decision 44,
-    docs/learning-check.md), any other encoder is one fit_encoder result."""
+    """An encoder's fits as a list: a random-init row reads the mean of several draws (docs/recipe.md,
+    Probes), any other encoder is one fit_encoder result."""
     return fit if isinstance(fit, list) else [fit]
 
 
@@ -233,8 +233,7 @@ def compare(task: str, rows: list[dict], fits: dict, fs: list, n_boot: int, seed
 
 def draw_rows(task: str, rows: list[dict], pretrained: list, rand: list, mask: np.ndarray, n_boot: int,
               seed: int, kind: str = CHOSEN) -> list[dict]:
-    """Each random-init draw's own row through `kind`'s heads (draw 1 is the one encoder the check
-    read before decision 44)."""
+    """Each random-init draw's own row through `kind`'s heads."""
     return [{"draw": i, "random_init": score(task, rows, d[kind]["prob"], mask, n_boot, seed)["balanced_accuracy"],
              "head": _heads(d[kind]), **mean_paired(task, rows, pretrained, [d[kind]["prob"]], mask, n_boot, seed)}
             for i, d in enumerate(rand, 1)]

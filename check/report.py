@@ -12,9 +12,9 @@ from check.verdicts import SEEDS_RESAMPLED, _diff, chosen_on_val, draws_line, dr
 from octfm import cli, fsio, plots
 
 
-STANDARDIZED = {True: "The heads read each feature channel standardised by the training rows' statistics (decision 21).",
+STANDARDIZED = {True: "The heads read each feature channel standardised by the training rows' statistics.",
                 False: "The heads read the features as they are, each token (the linear head: the pooled vector) "
-                       "normalised on its own (the protocol before decision 21)."}
+                       "normalised on its own (`--probe standardize=false`)."}
 
 
 def tuned_line(run: dict) -> str:
@@ -28,7 +28,8 @@ def tuned_line(run: dict) -> str:
 def markdown(result: dict) -> str:
     held_out = " (each test row scored by probes trained on the other three scanners)" \
         if result["protocol"] == "scanners" else ""
-    lines = [f"# Learning check: {result['cue']}", "", result["verdict"], "",
+    efficiency = (result.get("label_efficiency") or {}).get("verdict")
+    lines = [f"# Learning check: {result['cue']}", "", result["verdict"], "", *([efficiency, ""] if efficiency else []),
              f"Cue: {result['what']}. Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` "
              f"(step {result['step']}; objective: {result.get('objective', 'not recorded')}). "
              f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); a difference "
@@ -69,7 +70,7 @@ def markdown(result: dict) -> str:
     if result.get("supervised_training"):
         lines += [reference_training_line(result["supervised_training"]), ""]
     pts = result["label_efficiency"]["points"]
-    with_sup = any("supervised" in p for p in pts)  # `--reference-fraction`: a reference at some fractions only
+    with_sup = any("supervised" in p for p in pts)  # a reference at some fractions only (reference_fractions)
     lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
               "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
               f"{', the supervised reference trained on the same ones' if with_sup else ''}"
@@ -107,8 +108,8 @@ def markdown(result: dict) -> str:
             lines += ["", *(f"Per training seed at {pct(p['fraction'])}: fine-tuned "
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
                             f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}"
-                            + (f"; fine-tuned - random with the training seeds resampled as well as the participants "
-                               f"(decision 54): {_diff(p[SEEDS_RESAMPLED])}"
+                            + (f"; fine-tuned - random with the training seeds resampled as well as the participants: "
+                               f"{_diff(p[SEEDS_RESAMPLED])}"
                                if SEEDS_RESAMPLED in p else "") + "."
                             for p in result["finetune"]["points"])]
         if result["finetune"].get("runs"):
@@ -162,7 +163,7 @@ def plot(result: dict, path: Path) -> None:
     pts = result["label_efficiency"]["points"]
     x = [100 * p["fraction"] for p in pts]
     for j, name in enumerate(("pretrained", "random_init", "supervised")):
-        have = [p for p in pts if name in p]  # `--reference-fraction`: the supervised encoder at some fractions
+        have = [p for p in pts if name in p]  # the supervised encoder at some fractions only
         if have:
             v = [p[name]["balanced_accuracy"] for p in have]
             lo = [p[name]["ci95"][0] if p[name]["ci95"][0] is not None else p[name]["balanced_accuracy"] for p in have]
@@ -194,12 +195,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def head_steps(curve: dict) -> str:
-    """The heads' update count below all labels (decision 32); results from before it say nothing."""
+    """The heads' update count below all labels (docs/recipe.md, Probes); a result without it says nothing."""
     n = curve.get("head_steps")
     if not n:
         return ""
     each = f"{n[0]:,}" if len(set(n)) == 1 else f"{min(n):,}-{max(n):,}, each fold its own"
-    return f"; below all labels the heads train as many optimizer steps as all labels' ({each}; decision 32)"
+    return f"; below all labels the heads train as many optimizer steps as all labels' ({each})"
 
 
 def reference_training_line(training: dict) -> str:

@@ -28,7 +28,7 @@ def finetune_rows(rows: list[dict], tuned: dict, frozen: dict, fs: list, n_boot:
     the same participants and, where a supervised reference was trained on them (`supervised`:
     {fraction: its chosen head's probabilities}), against it: label efficiency with fine-tuning.
     `tuned`: {fraction: {init: [probabilities per training seed]}}; a fine-tuned row is the mean
-    over its seeds, every seed scored on each participant resample (decision 13)."""
+    over its seeds, every seed scored on each participant resample."""
     out, te, supervised = [], check_probes.tested_rows(fs), supervised or {}
     for f in sorted(tuned):
         p = tuned[f]["pretrained"]
@@ -103,9 +103,9 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
                     together: int | None = None) -> dict:
     """The check's headline: both encoders' heads for the two tasks on all labels (`fits`, over
     the protocol's `folds`) and pretrained against random init with heads chosen on val (`tasks`;
-    the verdict reads the one kind chosen for the pair, decision 49).
+    the verdict reads the one kind chosen for the pair, check_probes.pair_choice).
     Done once, right after the features (the interim result); probe_all builds on it. Random init is
-    each of its draws (decision 44); a task's fits of every encoder train as one stack of heads
+    each of its draws; a task's fits of every encoder train as one stack of heads
     (check_probes.fit_encoders). `together` (not None): the two tasks each in its own process at
     once, on that many torch threads each, 0 for torch's default (the GPU size: a head's step of
     batch 32 leaves the GPU mostly idle; the CPU size: two single-thread processes use the cores
@@ -123,7 +123,7 @@ def headline_probes(pcfg: ProbeConfig, rows: list[dict], feats: dict, protocol: 
 def curve_fits(pcfg: ProbeConfig, rows: list[dict], feats: dict, fs: list, fractions) -> dict:
     """{(fraction, encoder): fit_encoder's result}: the pretrained encoder's and each random-init draw's
     binary heads at each curve fraction below all labels, each fold's heads for its full split's steps
-    (decision 32). They need no reference, so at GPU size they train in their own process beside
+    (docs/recipe.md, Probes). They need no reference, so at GPU size they train in their own process beside
     the references (Stages.together) rather than after them in the probes stage. A fraction's
     encoders train as one stack of heads (check_probes.fit_encoders)."""
     people, encs = subsets.nested_fractions(rows, fractions, pcfg.seed), ["pretrained", *probe.random_draws(feats)]
@@ -156,7 +156,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
     people = subsets.nested_fractions(rows, {*fractions, *tuned}, seed)
     curve, frozen, sup_chosen = [], {}, {}
     for f in sorted(people):
-        # below all labels each fold's heads train its full split's steps (decision 32), not `epochs` of fewer rows
+        # below all labels each fold's heads train its full split's steps, not `epochs` of fewer rows
         ff, full = check_probes.narrowed(fs, rows, people[f]), None if f == 1.0 else fs
         if f not in fractions:  # a fine-tuning fraction off the curve: only the frozen probe it is set against
             frozen[f] = frozen_probe(check_probes.fit_encoder(pcfg, feats["pretrained"], BINARY, rows, ff, full))
@@ -174,7 +174,7 @@ def probe_all(pcfg: ProbeConfig, rows: list[dict], feats: dict, sup: dict, proto
         curve.append({"fraction": f, "participants": len(people[f]),
                       **check_probes.curve_point(BINARY, rows, encs, ff, n_boot, seed)})
     out["label_efficiency"] = {"task": BINARY, "points": curve, "selection": SELECTION}
-    if any(f < 1.0 for f in people):  # the steps each fold's heads train below all labels (decision 32)
+    if any(f < 1.0 for f in people):  # the steps each fold's heads train below all labels
         out["label_efficiency"]["head_steps"] = [probe.fraction_steps(pcfg, tr) for _, tr, _, _ in fs]
     if tuned:
         out["finetune"] = {"task": BINARY, "points": finetune_rows(rows, tuned, frozen, fs, n_boot, seed, sup_chosen)}

@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--random-seed", type=int, default=None,
                     help="the random-init encoder's init seed (default 1, the probes' first draw); a learning check's "
-                         "run: its result.json's random_init_seeds[0] (each generated cohort's own, decision 60)")
+                         "run: its result.json's random_init_seeds[0] (each generated cohort's own)")
     a = ap.parse_args(argv)
     folder = RunFolder(a.run)
     ckpt = checkpoint.newest_whole(folder.checkpoints())

@@ -1,4 +1,5 @@
-"""The learning check's verdict lines, each against its issue's target."""
+"""The learning check's verdict lines, one per question, each against its target: does pretraining learn
+(the headline), label efficiency, fine-tuning (docs/recipe.md, The learning check)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from evals import probe
 
 
 FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
-# a fine-tuning row's mean difference with the training seeds resampled too (decision 54): a reading, not the verdict's
+# a fine-tuning row's mean difference with the training seeds resampled too: a reading, not the verdict's
 SEEDS_RESAMPLED = "pretrained_minus_random_init_seeds_resampled"
 
 
@@ -64,50 +65,57 @@ def chosen_on_val(res: dict, encoder: str) -> str:
     return max(heads, key=lambda p: probe.val_rank(p["val_balanced_accuracy"], p["val_auroc"]))["head"]
 
 
-def label_efficiency_check(result: dict) -> tuple[bool, str] | None:
-    """At the smallest label fraction: pretrained + probe against the supervised reference
-    trained on the same participants (None when no reference was trained)."""
-    if "label_efficiency" not in result:  # the interim result: no curve yet
+def label_efficiency_verdict(result: dict) -> str | None:
+    """Label efficiency, its own question: at the curve's smallest fraction, the frozen pretrained probe
+    against the supervised reference trained on the same participants (target: pretrained >= supervised).
+    None where no reference was trained (the scanners cue, --no-supervised, the interim result)."""
+    points = (result.get("label_efficiency") or {}).get("points", [])
+    if not any("supervised" in p for p in points):
         return None
-    points = result["label_efficiency"]["points"]
-    first = points[0]
-    if "supervised" not in first:
-        if not any("supervised" in p for p in points):  # no reference trained
-            return None
-        # `--reference-fraction` at larger fractions only: said, not dropped, and no FAIL from it
-        return True, f"at {pct(first['fraction'])} of labels no supervised reference: the label-efficiency target not read"
+    first, head = points[0], f"label efficiency [{result['cue']}]: "
+    if "supervised" not in first:  # a reference at larger fractions only: said, not dropped
+        return head + f"NOT READ: no supervised reference at {pct(first['fraction'])} of labels"
     p, s = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
-    return p >= s, (f"at {pct(first['fraction'])} of labels pretrained {p:.3f} vs supervised {s:.3f} "
-                    f"(target: pretrained >= supervised)")
+    return head + (f"{'PASS' if p >= s else 'FAIL'}: at {pct(first['fraction'])} of labels frozen pretrained {p:.3f} "
+                   f"vs supervised {s:.3f} (target: pretrained >= supervised)")
+
+
+def verdict_lines(result: dict) -> list[str]:
+    """Every question's verdict, as the check ends by printing them: does pretraining learn, label
+    efficiency (where a reference was trained), fine-tuning (where run: against the supervised reference,
+    then its target line and a reading per fraction)."""
+    tuned = result.get("finetune") or {}
+    return [result["verdict"], *(line for line in ((result.get("label_efficiency") or {}).get("verdict"),
+                                                   tuned.get("against_supervised"), tuned.get("verdict")) if line)]
 
 
 def headline_row(task: dict) -> dict:
     """The comparison a task's verdict reads: both encoders through the one head kind chosen on their
-    mean val (decision 49; each encoder's own choice, decision 8's, stays beside it as CHOSEN)."""
+    mean val (check_probes.pair_choice; each encoder's own choice, one_se_choice, stays beside it as CHOSEN)."""
     return task["comparisons"][check_probes.SAME_KIND]
 
 
 def verdict(result: dict) -> str:
+    """Does pretraining learn (the headline): pretrained minus random init on the binary task at the cue's
+    target with the paired interval above 0 (and, on the cohort's own splits, not below 0 on the other task)."""
     b, m = headline_row(result["tasks"][BINARY]), headline_row(result["tasks"][MULTI])
     lo, target = b["difference_ci95"][0], result["target"]
     ok = b["difference"] >= target and lo is not None and lo > 0
     need_multi = result["protocol"] == "splits"
     ok = ok and (m["difference"] >= 0 or not need_multi)
-    eff = label_efficiency_check(result)
-    ok = ok and (eff is None or eff[0])
     how = " (transductive pretraining)" if result["protocol"] == "scanners" else ""
     return (f"learning-check [{result['cue']}]{how}: {'PASS' if ok else 'FAIL'}: pretrained - random-init"
             f"{draws_said(result)} balanced accuracy "
-            f"(test, both encoders through the head kind chosen on their mean val, decision 49): {BINARY} "
+            f"(test, both encoders through the head kind chosen on their mean val): {BINARY} "
             f"({b['pretrained_head']}) {b['difference']:+.3f} [{_f(lo)}, {_f(b['difference_ci95'][1])}] "
             f"({b['pretrained']:.3f} vs {b['random_init']:.3f}), {MULTI} ({m['pretrained_head']}) "
             f"{m['difference']:+.3f} [{_f(m['difference_ci95'][0])}, {_f(m['difference_ci95'][1])}] "
-            f"({m['pretrained']:.3f} vs {m['random_init']:.3f}){'; ' + eff[1] if eff else ''}; target {BINARY} "
+            f"({m['pretrained']:.3f} vs {m['random_init']:.3f}); target {BINARY} "
             f">= +{target:.2f} with the interval above 0{f', {MULTI} >= 0' if need_multi else ''}")
 
 
 def draws_said(result: dict) -> str:
-    """' (mean of K draws)' where random init is read over several draws (decision 44); '' for one."""
+    """' (mean of K draws)' where random init is read over several draws; '' for one."""
     k = result.get("random_draws", 1)
     return f" (mean of {k} draws)" if k > 1 else ""
 
@@ -121,7 +129,7 @@ def draws_line(result: dict) -> str | None:
     each = "; ".join(f"draw {d['draw']} (init seed {s}) {d['random_init']:.3f} ({d['head']}), pretrained - it {_diff(d)}"
                      for d, s in zip(c["random_draws"], seeds))
     return (f"Random init is the mean of {len(c['random_draws'])} encoders drawn with their own init seeds, each "
-            f"read through the head kind chosen for the pair (decisions 44 and 49); {BINARY}: {each}.")
+            f"read through the head kind chosen for the pair; {BINARY}: {each}.")
 
 
 def _f(v) -> str:

@@ -21,9 +21,9 @@ class ProbeConfig:
     epochs: int = 60
     batch_size: int = 32
     min_steps: int = 0                 # at least this many optimizer steps: few rows train more epochs (the check's
-                                       # label-efficiency curve, decision 32); 0: `epochs` whatever the rows
+                                       # label-efficiency curve, docs/recipe.md, Probes); 0: `epochs` whatever the rows
     class_weight: bool = True
-    standardize: bool = True           # each feature channel scaled by the training rows' statistics (decision 21)
+    standardize: bool = True           # each feature channel scaled by the training rows' statistics (docs/recipe.md, Probes)
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
     extract_batch: int = 4
     device: str = "cpu"                # feature extraction and the probe heads' training
@@ -33,9 +33,9 @@ class ProbeConfig:
     cross_device: bool = True
     baselines: bool = True
     baseline_draws: int = 1            # random-init encoders drawn (init seeds baseline_seed + 1, ...); the learning
-                                       # check reads their mean (decision 44, docs/learning-check.md)
+                                       # check reads their mean (docs/recipe.md, Probes)
     baseline_seed: int | None = None   # the draws' init seeds start after it; null: `seed`. The learning check sets
-                                       # a generated cohort's own (decision 60)
+                                       # a generated cohort's own
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
 
@@ -56,19 +56,19 @@ class FinetuneConfig:
     out: str | None = None             # run folder; None: runs/finetune_<task>_<init>[_<pct>pct]
     task: str = "diabetic"
     head: Literal["auto", "linear", "attentive", "mil"] = "linear"  # the probes' heads (evals/probe_heads.py); auto:
-                                       # the kind whose fitted probe val ranks first (decision 39; head_init: probe)
+                                       # the kind whose fitted probe val ranks first (head_init: probe)
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
-    epochs: int = 80                    # decision 58 (docs/learning-check.md)
+    epochs: int = 80                   # at 40 from scratch stopped short of its plateau (docs/recipe.md, Fine-tuning)
     max_steps: int | None = None       # a budget in optimizer steps whatever label_fraction is: fewer epochs when it ends first
     batch_size: int = 4                # per process
     lr: float = 3.0e-4                 # peak learning rate of the last encoder block
     layer_decay: float = 1.0           # each block below the last: lr x layer_decay once more
     head_lr: float = 1.0e-3
     standardize: bool = True           # the head reads channels standardised by the starting encoder's train-row
-                                       # statistics, as the probes' heads do (decision 37); false: as before
+                                       # statistics, as the probes' heads do (docs/recipe.md, Fine-tuning); false: not
     head_init: Literal["probe", "zero"] = "zero"  # probe: the head starts as a probe fitted on the starting
-                                       # encoder's features and chosen on val (LP-FT, decision 38: not adopted)
+                                       # encoder's features and chosen on val (LP-FT: measured, not adopted)
     weight_decay: float = 0.05         # on weights, not on biases and norms
     warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
     warmup_fraction: float | None = None  # the warmup as a share of the run's optimizer steps (replaces warmup_epochs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from collections import Counter
 from importlib import metadata
@@ -20,7 +19,7 @@ from cache import store
 from evals import features
 from ingest import preprocess as prep
 from manifests import layout
-from octfm import cli, config, fsio
+from octfm import cli, config, fsio, procs
 from train import checkpoint, data, encoder
 from train.config import TrainConfig
 from train.model import objective
@@ -31,12 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def code_version() -> dict:
     """The package version, the git commit when run from a clone, and the cache code version."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"octfm": metadata.version("octfm"), "git": commit, "cache_code_version": prep.CODE_VERSION}
+    return {"octfm": metadata.version("octfm"), "git": procs.git_commit(REPO), "cache_code_version": prep.CODE_VERSION}
 
 
 def cache_provenance(cache: str, cfg: TrainConfig) -> dict:

@@ -14,6 +14,7 @@ an H200 (docs/accelerators.md).
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
 import multiprocessing.connection
 import resource
 import sys
@@ -168,3 +169,15 @@ def _timed(threads: int, fn, *args):
     t0, c0 = time.perf_counter(), cpu_seconds()
     out = fn(*args)
     return out, round(time.perf_counter() - t0, 1), round(cpu_seconds() - c0, 1)
+
+
+def git_commit(repo) -> str | None:
+    """The checkout's short HEAD, with `+` where tracked files have changes beside it; None outside a
+    clone (an installed package) or without git."""
+    try:
+        run = [["git", "-C", str(repo), *args] for args in (("rev-parse", "--short", "HEAD"),
+                                                             ("status", "--porcelain", "--untracked-files=no"))]
+        commit, dirty = (subprocess.run(c, capture_output=True, text=True, timeout=10).stdout.strip() for c in run)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+" if dirty else "")) if commit else None

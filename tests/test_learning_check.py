@@ -1,9 +1,10 @@
 """`make learning-check` end to end on a tiny generated cohort with a few pretraining steps:
 the report is produced, both tasks carry a paired difference with its interval (the supervised
-reference too), the label-efficiency curve and the held-out scanners are scored, and a re-run
-does only what is left."""
+reference too), the label-efficiency curve and the held-out scanners are scored, each question
+has its own verdict line, and a re-run does only what is left."""
 import json
 import re
+import typing
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from conftest import run_cli, tiny_train_args
 from check import keys, learning_check, report, rows as check_rows, verdicts
 from evals import probe
+from check.config import FRACTIONS, SIZES, CheckConfig
 from evals.config import ProbeConfig
 from octfm import cli, config, procs
 
@@ -25,14 +27,21 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
     budget = [x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0")
               for x in ("--finetune-arg", kv)]  # the references' too: they are `make finetune` from random init
-    args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--random-draws", "2",
-            *PROBE, *budget, *train]
+    args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--set", "random_draws=2",
+            "--curve", *PROBE, *budget, *train]        # --curve: a supervised reference at 10%, 25% and 100%
     r = run_cli("check.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    verdict = r.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init (mean of 2 draws)" in verdict
     res = json.loads((out / "lesions" / "result.json").read_text())
+    verdict, efficiency = r.stdout.strip().splitlines()[-2:]             # one line per question, printed last
+    assert [verdict, efficiency] == verdicts.verdict_lines(res)
+    assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init (mean of 2 draws)" in verdict
     assert res["verdict"] == verdict and res["step"] == 4 and res["cohort_seed"] == 16
+    first = res["label_efficiency"]["points"][0]                         # its own line: 10% against its reference
+    p10, s10 = first["pretrained"]["balanced_accuracy"], first["supervised"]["balanced_accuracy"]
+    assert efficiency == res["label_efficiency"]["verdict"] == (
+        f"label efficiency [lesions]: {'PASS' if p10 >= s10 else 'FAIL'}: at 10% of labels frozen pretrained "
+        f"{p10:.3f} vs supervised {s10:.3f} (target: pretrained >= supervised)")
+    assert "supervised" not in verdict and efficiency in (out / "lesions" / "result.md").read_text()
     for task, classes in (("diabetic", 2), ("study_group", 4)):
         t = res["tasks"][task]
         assert t["classes"] == classes and t["test_participants"] >= 2
@@ -92,7 +101,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert [p["fraction"] for p in tuned] == [0.5, 1.0]
     verdict_lines = res2["finetune"]["verdict"].splitlines()       # the target, then one reading per fraction
     assert len(verdict_lines) == 1 + len(tuned)
-    assert again.stdout.strip().splitlines()[-len(verdict_lines):] == verdict_lines
+    printed = "\n".join(verdicts.verdict_lines(res2)).splitlines()   # learns, label efficiency, then fine-tuning's
+    assert again.stdout.strip().splitlines()[-len(printed):] == printed and printed[-len(verdict_lines):] == verdict_lines
+    assert printed[:2] == [res2["verdict"], res2["label_efficiency"]["verdict"]] == verdicts.verdict_lines(res)
     chosen = res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["pretrained"]
     assert tuned[-1]["frozen"]["balanced_accuracy"] == chosen       # the frozen probe (val's head) it is set against
     for p in tuned:
@@ -222,10 +233,9 @@ def test_a_fine_tuning_run_is_named_for_the_seed_that_picks_its_participants():
     assert a == keys.finetune_tag("random", 0.1, None, 0)
 
 
-def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds(monkeypatch):
-    """Decision 56: a training seed sets the random start's weights, so two cohorts that shared training seeds
-    shared their from-scratch draws; a generated cohort's runs draw their own, a SOURCE root keeps the probes'.
-    --shared-training-seeds reproduces the rows read before."""
+def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds():
+    """A training seed sets the random start's weights, so two cohorts that shared training seeds shared their
+    from-scratch draws; a generated cohort's runs draw their own, a SOURCE root keeps the probes'."""
     a, b = (learning_check.training_seeds(cohort, probe_seed=0, n=3) for cohort in (301, 307))
     assert a == [301000, 301001, 301002] and b == [307000, 307001, 307002]
     assert learning_check.training_seeds(None, probe_seed=0, n=3) == [None, 1, 2]   # real data: as before
@@ -233,23 +243,11 @@ def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds(monkeypatc
     tags = {keys.finetune_tag("random", 0.1, t, 0) for t in a + b}
     assert len(tags) == 6
 
-    class Called(Exception):
-        pass
-
-    def check(*args, **kw):
-        raise Called(kw["shared_training_seeds"])
-
-    monkeypatch.setattr(learning_check, "check", check)
-    for argv, shared in (([], False), (["--shared-training-seeds"], True)):
-        with pytest.raises(Called) as e:
-            learning_check.main(["--finetune", *argv])
-        assert e.value.args == (shared,)
-
 
 def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch, tmp_path):
-    """Decision 60: the frozen rows' random-init encoders were probe seed + 1..n on every cohort, so a
-    replication across cohorts replicated only the pretrained side. A generated cohort draws its own,
-    apart from its fine-tuning starts; real data, `make probe` and --shared-random-draws keep the old ones."""
+    """The frozen rows' random-init encoders were once probe seed + 1..n on every cohort, so a replication
+    across cohorts replicated only the pretrained side. A generated cohort draws its own, apart from its
+    fine-tuning starts; real data and `make probe` keep the probes' seed + d."""
     def seeds(cohort):
         cfg = config.from_dict(ProbeConfig, {"baseline_draws": 3, "baseline_seed": learning_check.baseline_seed(cohort)})
         return probe.draw_seeds(cfg)
@@ -273,17 +271,12 @@ def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch, t
         raise Called(*args, *kw.values())
 
     monkeypatch.setattr(learning_check, "probe_config", raises)      # the cohort whose draws check() asks for
-    for source, shared, asked in ((None, False, 301), (None, True, None), (str(tmp_path / "real"), False, None)):
+    for source, asked in ((None, 301), (str(tmp_path / "real"), None)):
         with pytest.raises(Called) as e:
-            learning_check.check(source, tmp_path / "work", tmp_path / "out", "configs/pretrain_check.yaml", [],
-                                 seed=301, shared_random_draws=shared)
+            learning_check.check(CheckConfig(source=source, work=str(tmp_path / "work"), out=str(tmp_path / "out"),
+                                             seed=301))
         assert e.value.args[-1] == asked
     assert not (tmp_path / "work").exists()                          # asked before any work
-    monkeypatch.setattr(learning_check, "check", lambda *args, **kw: raises(kw["shared_random_draws"]))
-    for argv, shared in (([], False), (["--shared-random-draws"], True)):
-        with pytest.raises(Called) as e:
-            learning_check.main(argv)
-        assert e.value.args == (shared,)
 
 
 def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
@@ -400,14 +393,13 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
     """`make learning-check SIZE=gpu` on the CPU, tiny: the GPU size's config with only its size
     shrunk and the device set to the CPU, the volumes resident as on the GPU
     (data.resident=always), the token probe stage, the result files, the supervised reference
-    at 10% of labels only (`--reference-fraction`, what a lent GPU's call holds), and the reference
+    at 10% of labels only (the default: what a lent GPU's call holds), and the reference
     and fine-tuning runs at once in their own processes, as they give one after another. The GPU
     run itself is `make learning-check-device` on a lent machine."""
     gpu_dry_run(tmp_path, "out", capsys)
 
 
-GPU_TINY = ["--size", "gpu", "--participants", "12", "--bootstrap", "20", "--reference-fraction", "0.1",
-            "--random-draws", "2",
+GPU_TINY = ["--size", "gpu", "--participants", "12", "--bootstrap", "20", "--set", "random_draws=2",
             "device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
             "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
             "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
@@ -442,13 +434,11 @@ def gpu_dry_run(tmp_path, out, capsys):
     points = {p["fraction"]: p for p in res["label_efficiency"]["points"]}   # frozen rows at every fraction
     assert sorted(points) == [0.1, 0.25, 1.0] and [f for f, p in points.items() if "supervised" in p] == [0.1]
     assert res["supervised_reference"] == {}                                  # no 100% reference: none of its rows
-    # the GPU size's fine-tuning keys (a step budget, val scores every 50 steps: decision 17's, now the recipe's) come
-    # first, the command line's after them
-    assert res["finetune_args"][:len(learning_check.SIZES["gpu"].finetune_args)] == list(
-        learning_check.SIZES["gpu"].finetune_args)
+    # the GPU size's fine-tuning keys (a step budget, val scores every 50 steps) come first, the command line's after
+    assert res["finetune_args"][:len(SIZES["gpu"].finetune_args)] == list(SIZES["gpu"].finetune_args)
     trained = res["supervised_training"]
     assert list(trained) == ["10%"] and trained["10%"]["val_every"] == 50 and trained["10%"]["patience"] == 4
-    assert "(target: pretrained >= supervised)" in res["verdict"]
+    assert "(target: pretrained >= supervised)" in res["label_efficiency"]["verdict"] and "supervised" not in res["verdict"]
     assert "Reference training (make finetune from random init" in (tmp_path / out / "lesions" / "result.md").read_text()
     # the headline rows were printed as soon as the features existed, and every row but the token probe's
     # was written before it (a lent GPU's run cut short keeps them; stop 50's was cut in the token probe)
@@ -495,52 +485,97 @@ def test_jobs_at_once_run_on_the_threads_they_are_given():
 
 def test_the_size_sets_the_fine_tuning_keys_and_how_many_runs_at_once(monkeypatch):
     """`--size gpu` hands its fine-tuning runs (the references among them) a batch of 128, a step budget
-    and val scores by steps, `--size cpu` none, and command-line keys come after the size's."""
+    and val scores by steps, `--size cpu` none, and command-line keys come after the size's; the random
+    draws are the size's unless the config sets them (a smoke run's fewer)."""
     seen = []
-
-    def fake_check(*args, **kwargs):
-        seen.append((args[3], tuple(kwargs["finetune_args"])))
-        draws.append(kwargs["random_draws"])
-        at_once.append(kwargs["together"])
-        raise SystemExit(0)
-
-    draws, at_once = [], []
-    monkeypatch.setattr(learning_check, "check", fake_check)
+    monkeypatch.setattr(learning_check, "check", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(learning_check, "markdown", lambda r: "")
+    monkeypatch.setattr(learning_check, "verdict_lines", lambda r: [])
     for argv in (["--size", "gpu"], ["--size", "cpu"], ["--size", "gpu", "--finetune-arg", "patience=0"],
-                 ["--size", "cpu", "--random-draws", "1"], ["--size", "cpu", "--one-at-a-time"]):
-        with pytest.raises(SystemExit):
-            learning_check.main(argv)
-    assert draws == [5, 3, 5, 1, 3]                                       # decision 44: the size's, or the flag's
-    # both sizes run the references at once, the CPU size's processes on one thread each (decision 47), the
-    # GPU size's on torch's default (0); --one-at-a-time: none at once (None)
-    assert at_once == [0, 1, 0, 1, None]
-    with pytest.raises(cli.UsageError, match="--random-draws"):
-        learning_check.main(["--random-draws", "0"])
-    gpu = learning_check.SIZES["gpu"].finetune_args
+                 ["--size", "cpu", "--set", "random_draws=1"], ["--size", "cpu", "--one-at-a-time"]):
+        assert learning_check.main(argv) == 0
+    assert [c.draws for c in seen] == [5, 3, 5, 1, 3]
+    # both sizes run the references at once, the CPU size's processes on one thread each, the GPU size's on
+    # torch's default (0); --one-at-a-time: none at once (None)
+    assert [c.threads for c in seen] == [0, 1, 0, 1, None]
+    gpu = SIZES["gpu"].finetune_args
     assert {"batch_size=128", "max_steps=3700", "val_every=50", "patience=4"} <= set(gpu)
-    assert seen[:3] == [("configs/pretrain_check_gpu.yaml", gpu), ("configs/pretrain_check.yaml", ()),
-                        ("configs/pretrain_check_gpu.yaml", (*gpu, "patience=0"))]
+    assert [(c.pretrain_config, c.tuning_args) for c in seen[:3]] == [
+        ("configs/pretrain_check_gpu.yaml", gpu), ("configs/pretrain_check.yaml", ()),
+        ("configs/pretrain_check_gpu.yaml", (*gpu, "patience=0"))]
+    with pytest.raises(cli.UsageError, match="random_draws"):
+        learning_check.main(["--set", "random_draws=0"])
+
+
+def test_the_default_check_trains_one_reference_and_the_curve_on_request():
+    """The label-efficiency question is asked at 10% of labels: one supervised reference by default,
+    the whole curve with --curve (CURVE=1), none with --no-supervised; the frozen curve is the same."""
+    parse = learning_check.parse
+    assert parse([]).reference_fractions == (0.1,) and parse(["--curve"]).reference_fractions == FRACTIONS
+    assert parse(["--no-supervised"]).reference_fractions == ()
+    assert parse(["--finetune"]).finetune_fractions == (0.1, 1.0) and parse([]).finetune_fractions == ()
+    assert parse(["--finetune-fraction", "0.5"]).finetune_fractions == (0.5,)
+    cfg = parse(["--cue", "layers", "--seed", "29", "max_steps=30", "--probe", "epochs=5", "--set", "bootstrap=10"])
+    assert (cfg.cue, cfg.seed, cfg.overrides, cfg.probe, cfg.bootstrap) == ("layers", 29, ("max_steps=30",),
+                                                                           ("epochs=5",), 10)
+    assert parse(["--line", "runs/x"]) == "runs/x"
+    hints = typing.get_type_hints(CheckConfig)                            # the typed keys name every cue and size
+    assert set(typing.get_args(hints["cue"])) == set(learning_check.CUES)
+    assert set(typing.get_args(hints["size"])) == set(SIZES)
+
+
+def test_an_unknown_check_key_is_refused_by_name():
+    with pytest.raises(config.ConfigError, match="unknown key 'random_draw'"):
+        learning_check.parse(["--set", "random_draw=2"])
+    with pytest.raises(config.ConfigError, match="unknown key 'curve'"):
+        config.from_dict(CheckConfig, {"curve": True})
+    with pytest.raises(config.ConfigError, match="reference_fractions.*not on the label-efficiency curve"):
+        learning_check.parse(["--set", "reference_fractions=[0.5]"])
+    with pytest.raises(config.ConfigError, match="FT_SEEDS"):                 # fine-tuning seeds without fine-tuning
+        learning_check.parse(["--finetune-seeds", "3"])
+
+
+def test_each_question_has_its_own_verdict_line():
+    """A passing headline with a failing label efficiency reads PASS on the learns line (one line
+    folded both before, so the headline read FAIL), and FAIL on its own line; fine-tuning adds its own."""
+    def point(f, p, s=None):
+        return {"fraction": f, "pretrained": {"balanced_accuracy": p},
+                **({"supervised": {"balanced_accuracy": s}} if s is not None else {})}
+
+    row = {"difference": 0.106, "difference_ci95": [0.052, 0.162], "pretrained": 0.74, "random_init": 0.634,
+           "pretrained_head": "linear"}
+    tasks = {t: {"comparisons": {"same_kind_chosen_on_val": row}} for t in ("diabetic", "study_group")}
+    res = {"cue": "lesions", "protocol": "splits", "target": 0.10, "tasks": tasks, "random_draws": 3,
+           "label_efficiency": {"points": [point(0.1, 0.630, 0.776), point(0.25, 0.7), point(1.0, 0.74)]}}
+    res["verdict"] = verdicts.verdict(res)
+    res["label_efficiency"]["verdict"] = verdicts.label_efficiency_verdict(res)
+    learns, efficiency = verdicts.verdict_lines(res)
+    assert learns.startswith("learning-check [lesions]: PASS: ") and "+0.106 [+0.052, +0.162]" in learns
+    assert "supervised" not in learns
+    assert efficiency == ("label efficiency [lesions]: FAIL: at 10% of labels frozen pretrained 0.630 vs supervised "
+                          "0.776 (target: pretrained >= supervised)")
+    res["finetune"] = {"verdict": "fine-tuning, ...: PASS (target ...)\n- 10% of labels: ...",
+                       "against_supervised": "fine-tuned at 10% of labels vs the supervised reference ..."}
+    assert verdicts.verdict_lines(res)[2:] == [res["finetune"]["against_supervised"], res["finetune"]["verdict"]]
+    failing = {**row, "difference_ci95": [-0.01, 0.2]}                 # the interval not above 0: the headline fails
+    assert verdicts.verdict({**res, "tasks": {t: {"comparisons": {"same_kind_chosen_on_val": failing}}
+                                              for t in tasks}}).startswith("learning-check [lesions]: FAIL: ")
 
 
 def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_read():
-    """`--reference-fraction 0.25`: the verdict names the label-efficiency target as not read,
-    rather than dropping it silently (a review of stop 50)."""
+    """A reference at 25% only: the label-efficiency line names its target as not read, rather than
+    dropping it silently (a review of stop 50); with no reference at all there is no such line."""
     def pt(f, sup):
         return {"fraction": f, "pretrained": {"balanced_accuracy": 0.6},
                 **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
 
-    only_25 = {"label_efficiency": {"points": [pt(0.1, False), pt(0.25, True), pt(1.0, False)]}}
-    ok, text = verdicts.label_efficiency_check(only_25)
-    assert ok and "no supervised reference: the label-efficiency target not read" in text and text.startswith("at 10%")
-    assert verdicts.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, False)]}}) is None
-    assert verdicts.label_efficiency_check({"label_efficiency": {"points": [pt(0.1, True)]}})[0] is False
+    def line(*points):
+        return verdicts.label_efficiency_verdict({"cue": "layers", "label_efficiency": {"points": list(points)}})
 
-
-def test_a_reference_fraction_off_the_curve_is_refused_before_any_work(tmp_path):
-    with pytest.raises(cli.UsageError, match="--reference-fraction"):
-        learning_check.check(None, tmp_path / "w", tmp_path / "o", "configs/pretrain_check.yaml", [],
-                             fractions=(0.1, 1.0), reference_fractions=(0.25,))
-    assert not (tmp_path / "w").exists()
+    assert line(pt(0.1, False), pt(0.25, True), pt(1.0, False)) == \
+        "label efficiency [layers]: NOT READ: no supervised reference at 10% of labels"
+    assert line(pt(0.1, False)) is None
+    assert line(pt(0.1, True)).startswith("label efficiency [layers]: FAIL: at 10% of labels frozen pretrained 0.600")
 
 
 def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):

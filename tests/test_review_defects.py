@@ -36,6 +36,7 @@ def _saved_at_the_end(ft, progress: bool = True) -> dict:
     ft.step, ft.epoch = ft.total, ft.epochs
     ft.history = [{"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
     ft.save()
+    ft.writer.wait()
     return {}
 
 
@@ -72,6 +73,7 @@ def test_a_resumed_finetune_reports_the_start_it_trained_from(pretrained, tmp_pa
     first.step, first.epoch = first.per_epoch, 1  # as if epoch 1 had trained, then the run stopped
     first.history = [{"epoch": 1, "step": first.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
     first.save()
+    first.writer.wait()
     st = checkpoint.load(str(pretrained / "step_0000002.pt"))
     checkpoint.save({**st, "step": 4}, str(pretrained), 4)  # the pretraining moves on
     resumed = finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
@@ -121,7 +123,7 @@ def test_a_learning_check_sets_an_earlier_result_aside_when_it_starts(tmp_path, 
         raise KeyboardInterrupt  # the timeout, at the first stage
     monkeypatch.setattr(learning_check, "cohort", cut_short)
     with pytest.raises(KeyboardInterrupt):
-        learning_check.check(None, tmp_path / "work", tmp_path / "runs", "configs/pretrain_check.yaml", [])
+        learning_check.check(learning_check.CheckConfig(work=str(tmp_path / "work"), out=str(tmp_path / "runs")))
     assert sorted(p.name for p in dest.glob("result*")) == []
     assert sorted(p.name for p in (dest / "previous").iterdir()) == [
         "result.json", "result.md", "result.png", "result_interim.json", "result_interim.md"]
