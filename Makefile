@@ -46,7 +46,7 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench learning-check learning-check-device mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan
+.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench results learning-check learning-check-device mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan need-expand
 
 help:
 	@echo "octfm: the commands, in the order a user runs them (README.md; docs/README.md for the rest)"
@@ -70,7 +70,8 @@ help:
 	@echo "make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS='task=diabetic label_fraction=0.1'] [NPROC=2]"
 	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
 	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
-	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000']: pretrained vs random-init"
+	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [CURVE=1] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000 --no-supervised --set random_draws=1']: pretrained vs random-init, a verdict line per question (CURVE: a supervised reference at 10, 25 and 100% of labels, not only 10%; --set: any CheckConfig key, check/config.py)"
+	@echo "make results RESULT=runs/learning_check/<cue>/result.json   that run's line in README's Results table (docs/results.jsonl)"
 	@echo ""
 	@echo "Developer targets (tests beyond make test, benchmarks, a lent GPU machine):"
 	@echo "make test-heavy      the heavy lane: kill -9 faults, a store going away, thousands of volumes"
@@ -78,7 +79,7 @@ help:
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: the ViT-B step (eager, pred_heads 12 beside the recipe's 6, cuDNN), vjepa2 beside it, the stem conv, compiled per block, the check step, a real run, CUDA tests; each within its predicted cost and cap"
-	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--reference-fraction 0.1']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
+	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--no-supervised']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
 	@echo "make xla-venv        the torch_xla lane's own venv under ~/.cache/octfm (make test-xla makes it)"
 
 venv: $(STAMP)
@@ -142,56 +143,39 @@ plan: need-plan $(STAMP)
 	$(PY) -m train.plan --config $(CONFIG) --accel $(ACCEL) $(if $(CHIPS),--chips $(CHIPS)) $(ARGS)
 
 # A GPU machine lent without network: the wheels its image lacks (bench/device_wheels.txt) for its Python,
-# and a copy of facebookresearch/vjepa2's src/ and app/ for the reference step, in the ignored .device/.
-DEVICE     := .device
-WHEEL_PY   ?= 3.12
-WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
-# (plain pip download: no venv needed to fetch eight wheels for another machine's Python)
+# and a copy of facebookresearch/vjepa2's src/ and app/ for the reference step, in the ignored .device/
+# (plain pip download: no venv needed to fetch wheels for another machine's Python). Each device target's
+# steps are bench/device_run.py's.
+WHEEL_PY  ?= 3.12
 wheelhouse:
-	rm -rf $(DEVICE)/wheels && mkdir -p $(DEVICE)/wheels
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
-	  $(WHEEL_PLATFORMS) -d $(DEVICE)/wheels -r bench/device_wheels.txt
-	@if [ -n "$(VJEPA2_SRC)" ]; then rm -rf $(DEVICE)/vjepa2 && mkdir -p $(DEVICE)/vjepa2 && \
-	  git -C $(VJEPA2_SRC) archive HEAD src app | tar -x -C $(DEVICE)/vjepa2 && \
-	  git -C $(VJEPA2_SRC) rev-parse --short HEAD > $(DEVICE)/vjepa2/COMMIT; fi
-	@du -sh $(DEVICE)/wheels $(wildcard $(DEVICE)/vjepa2) | sed 's/^/wheelhouse: /'
+	$(PYTHON) -m bench.device_run wheelhouse --python-version $(WHEEL_PY) --vjepa2 '$(VJEPA2_SRC)'
 
 # On the GPU machine (its own python3; no venv, no network): the wheels into a temporary site folder, then the check.
 DEVICE_PY ?= python3
 device-check:
-	@test -n "$(OUT)" || { echo "make device-check: set OUT=<folder for device_check.json and .md>" >&2; exit 2; }
-	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
-	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
-	  PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(DEVICE_PY) -m bench.device_check --out $(OUT) $(ARGS)
+	@$(DEVICE_PY) -m bench.device_run device-check --out '$(OUT)' -- $(ARGS)
 
-# On the GPU machine, as device-check: the learning check at GPU size from nothing (cohort, cache and runs
-# under LC_WORK, off $(OUT); the result files, the pretraining's metrics and curves and the log copied to OUT,
-# also when TIMEOUT=<seconds> cuts the check short: result_interim.* keeps the headline rows, and every row but the
-# token probe's once the probes stage is done)
+# On the GPU machine, as device-check: the learning check at GPU size from nothing (cohort, cache and runs under
+# LC_WORK; the log, result files and the pretraining's metrics and curves copied to OUT, also when TIMEOUT=<seconds>
+# cuts it short). SMOKE=1: every stage small first, one fine-tuning seed.
 LC_WORK ?= /tmp/octfm-learning-check
-# SMOKE=1: every stage on the GPU at a small size first (128 participants, 150 steps, short fine-tuning;
-# about 1 minute of work on the H200 beside the first step's cost, docs/accelerators.md), one fine-tuning seed
-SMOKE_ARGS := --participants 128 --bootstrap 100 --finetune-arg epochs=3 --finetune-arg frozen_epochs=1 \
-  max_steps=150 log_every=50 eval_every=75 ckpt_every=150
 learning-check-device:
-	@test -n "$(OUT)" || { echo "make learning-check-device: set OUT=<folder for the result files>" >&2; exit 2; }
-	@site=$$(mktemp -d) && if ls $(DEVICE)/wheels/*.whl >/dev/null 2>&1; then \
-	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --target $$site $(DEVICE)/wheels/*.whl; fi && \
-	  mkdir -p $(OUT) && PYTHONPATH=$$site:$(CURDIR) PYTHONUNBUFFERED=1 $(if $(TIMEOUT),timeout $(TIMEOUT)) $(DEVICE_PY) -m check.learning_check --size gpu \
-	  --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) \
-	  $(if $(filter 0,$(FINETUNE)),,--finetune --finetune-fraction 0.1 --finetune-seeds $(or $(FT_SEEDS),$(if $(SMOKE),1,3))) \
-	  --work $(LC_WORK)/data --out $(LC_WORK)/runs $(if $(SMOKE),$(SMOKE_ARGS)) $(ARGS) 2>&1 | tee $(OUT)/learning_check.log; \
-	  rc=$${PIPESTATUS[0]}; cp $(LC_WORK)/runs/$(or $(CUE),lesions)/result* $(OUT)/ 2>/dev/null; \
-	  run=$$(ls -td $(LC_WORK)/runs/pretrain_*/ 2>/dev/null | head -1); \
-	  for f in metrics.jsonl curves.png; do [ -z "$$run" ] || cp $$run$$f $(OUT)/pretrain_$$f 2>/dev/null; done; exit $$rc
+	@$(DEVICE_PY) -m bench.device_run learning-check --out '$(OUT)' --work $(LC_WORK) --cue '$(CUE)' --seed '$(SEED)' \
+	  --finetune '$(FINETUNE)' --ft-seeds '$(FT_SEEDS)' --smoke '$(SMOKE)' --timeout '$(TIMEOUT)' -- $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench --xla-python $(XPY) $(ARGS)
 
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
-	$(PY) -m check.learning_check --size $(or $(SIZE),cpu) --cue $(or $(CUE),lesions) $(if $(SEED),--seed $(SEED)) $(if $(filter-out 0,$(FINETUNE)),--finetune) \
-		$(if $(FT_SEEDS),$(if $(filter-out 0,$(FINETUNE)),--finetune-seeds $(FT_SEEDS),$(error FT_SEEDS needs FINETUNE=1))) $(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+	$(PY) -m check.learning_check $(if $(SIZE),--size $(SIZE)) $(if $(CUE),--cue $(CUE)) $(if $(SEED),--seed $(SEED)) \
+		$(if $(filter-out 0,$(CURVE)),--curve) $(if $(filter-out 0,$(FINETUNE)),--finetune) $(if $(FT_SEEDS),--finetune-seeds $(FT_SEEDS)) \
+		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
+
+# README's Results table: RESULT's record into docs/results.jsonl, then the table rewritten (bench/results_table.py)
+RESULT ?=
+results: $(STAMP)
+	$(PY) -m bench.results_table $(RESULT)
 
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
@@ -203,9 +187,7 @@ cache: $(STAMP)
 	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(table_flags) $(strict_flag) $(ARGS)
 
 # Optional: manifest and cache read ZIP members in place. DST is required (never a default).
-expand: $(STAMP)
-	@test "$(origin SOURCE)" != file -a "$(origin DST)" != file || \
-	  { echo "make expand: set SOURCE=<zipped dataset root> and DST=<folder or gs://...>" >&2; exit 2; }
+expand: need-expand $(STAMP)
 	$(PY) -m ingest.expand --source $(SOURCE) --dst $(DST) $(strict_flag)
 
 stage: $(STAMP)
@@ -235,15 +217,17 @@ embed: need-embed $(STAMP)
 pretrain: need-pretrain $(STAMP)
 	$(launch) -m train.pretrain --config $(CONFIG) $(ckpt_flag) $(local_cache) $(ARGS)
 
-# Usage checks run before the venv is made: a missing variable is answered at once, on any checkout.
+# Usage checks run before the venv is made: a missing variable is answered at once, on any checkout (exit 2).
 need-export:
-	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export: set CKPT=<checkpoint> and OUT=<model folder>" >&2; exit 2; }
+	$(if $(and $(CKPT),$(OUT)),,$(error make export: set CKPT=<checkpoint> and OUT=<model folder>))
 need-embed:
-	@test -n "$(CKPT)" || { echo "make embed: set CKPT=<checkpoint>" >&2; exit 2; }
+	$(if $(CKPT),,$(error make embed: set CKPT=<checkpoint>))
 need-pretrain:
-	@test -n "$(CONFIG)" || { echo "make pretrain: set CONFIG=configs/<file>.yaml" >&2; exit 2; }
+	$(if $(CONFIG),,$(error make pretrain: set CONFIG=configs/<file>.yaml))
+need-expand:
+	$(if $(filter file,$(origin SOURCE) $(origin DST)),$(error make expand: set SOURCE=<zipped dataset root> and DST=<folder or gs://...>))
 need-plan:
-	@test -n "$(CONFIG)" || { echo "make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>" >&2; exit 2; }
+	$(if $(CONFIG),,$(error make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>))
 
 clean-demo:
 	rm -rf data/demo data/cache runs/pretrain_smoke

@@ -14,8 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import (augment_bench, cache_bench, learning_bench, probe_bench, recipe_bench, reference_bench, scale_bench,
-                   train_bench, xla_bench)
+from bench import (augment_bench, cache_bench, learning_bench, probe_bench, recipe_bench, reference_bench, replace_block,
+                   scale_bench, train_bench, xla_bench)
 from octfm import cli
 
 SUITES = {"cache": cache_bench.run, "scale": scale_bench.run, "train": train_bench.run, "reference": reference_bench.run,
@@ -63,17 +63,11 @@ def main(argv=None) -> int:
 
 
 def update_blocks(page: Path, suite: str, lines: list[str]) -> bool:
-    """Replace the text between this suite's markers in `page`; False when it has none."""
-    text = page.read_text()
-    begin, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
-    if begin not in text or end not in text:
-        return False
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
+    """Replace the text between this suite's markers in `page`, its headings one level under the page's;
+    False when it has none."""
     body = [ln.replace("## ", "#### ", 1) if ln.startswith("## ") else ln.replace("### ", "#### ", 1)
             if ln.startswith("### ") else ln for ln in lines]
-    page.write_text(head + begin + "\n" + "\n".join(body) + "\n" + end + tail)
-    return True
+    return replace_block(page, f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->", body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`make device-check OUT=<folder>`: the GPU path measured in one call on a lent H100/H200.
 
 Run on the device machine (python3 with PyTorch and CUDA; the packages its image lacks come as
-wheels from `make wheelhouse`, installed by the Makefile into a temporary site folder, no
+wheels from `make wheelhouse`, installed by bench/device_run.py into a temporary site folder, no
 network). It writes `device_check.json` and `device_check.md` into OUT after every item, so a
 call cut short keeps what it measured. OUT holds results only (those two, the CUDA tests' log);
 the cohorts, caches, runs and checkpoints go to a scratch folder outside it (`--work`, default a
@@ -11,9 +11,9 @@ The items, in the order of what each tells per second of a ten-minute call (issu
 
 - environment: the card, torch and CUDA, the measured bf16 matmul rate (what MFU divides by);
 - production: the ViT-B step of configs/pretrain_multi_domain.yaml at its batch, bf16: eager,
-  with `model.pred_heads=12` (head dim 32, the recipe before decision 61's 6 heads), with cuDNN attention first; each with ms per step,
-  model FLOPs (torch.utils.flop_counter, on the eager step), MFU, the GPU's busy share
-  (torch.profiler), and the peak memory beside `make plan`'s figure;
+  with `model.pred_heads=12` (head dim 32, the recipe before its 6 heads: docs/recipe.md, The predictor),
+  with cuDNN attention first; each with ms per step, model FLOPs (torch.utils.flop_counter, on the eager
+  step), MFU, the GPU's busy share (torch.profiler), and the peak memory beside `make plan`'s figure;
 - reference: octfm's step beside facebookresearch/vjepa2's at equal work (bench/reference_bench.py),
   from a checkout carried in .device/vjepa2 (`make wheelhouse VJEPA2_SRC=...`);
 - stem_conv: the stem's 3D convolution with `torch.backends.cudnn.benchmark` off and on;
@@ -50,12 +50,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from bench.device_report import CHECK, PRODUCTION, markdown
+from bench.recipe_bench import PLAIN
 from octfm import cli
 
 DATASHEET_BF16_TFLOPS = {"h100": 989.0, "h200": 989.0}  # dense, SXM (train/plan.py ACCELERATORS)
 TINY = ["model.dim=32", "model.depth=2", "model.heads=2", "model.pred_dim=16", "model.pred_depth=1",
         "model.pred_heads=2"]
-NO_STEM = ["model.stem=[]", "model.stem_pool=none", "model.pool=mean", "loss.local=0"]  # what vjepa2 computes
 
 
 # ----------------------------------------------------------------------------- what each item costs
@@ -234,7 +234,7 @@ class Sizes:
 
         return {
             "eager": ([], {}, None),
-            # the predictor's head dim 32 (384 / 12), the recipe before decision 61 adopted 6 heads (head dim 64):
+            # the predictor's head dim 32 (384 / 12), the recipe before it took 6 heads (head dim 64; docs/recipe.md):
             # what the adoption buys on the GPU; the dry run's 16-wide predictor: 16
             "pred_heads_12": ([f"model.pred_heads={1 if self.dry else 12}"], {}, None),
             "cudnn_attention": ([], {attention.CUDNN_ENV: "1"}, None),
@@ -562,7 +562,7 @@ def reference(ctx: dict) -> dict:
     batch = 2 if s.dry else 8  # both steps at the production crop without the stem and local term: vjepa2's work
     base = [f"data.cache={make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"device={s.device}",
             "data.workers=0", "wandb.enabled=false", "data.resident=never", f"batch_size={batch}",
-            shape_arg(s.crop), *NO_STEM, *(TINY if s.dry else [])]
+            shape_arg(s.crop), *PLAIN, *(TINY if s.dry else [])]
     shim = reference_bench.timm_shim(ctx["work"])
     rest = remaining(ctx)
     margin = None if rest is None else min(30.0, rest / 4)  # the last round's time, then the kill's

@@ -78,7 +78,7 @@ def val_rank(balanced_accuracy, auroc) -> tuple[float, float]:
 
 def fraction_steps(cfg: ProbeConfig, full_train: np.ndarray) -> int:
     """The optimizer steps a label fraction's heads train on a fold: those `epochs` take on the
-    fold's full train rows, or `min_steps` where more (decision 32, docs/learning-check.md)."""
+    fold's full train rows, or `min_steps` where more (docs/recipe.md, Probes)."""
     return max(cfg.min_steps, cfg.epochs * math.ceil(int(full_train.sum()) / cfg.batch_size))
 
 
@@ -157,7 +157,7 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     result: dict = {"task": task, "classes": spec["names"], "counts": {s: np.bincount(y[split == s], minlength=k).tolist()
                                                                         for s in ("train", "val", "test")},
                     "probes": [], "per_device": {}, "cross_device": None,
-                    "standardize": cfg.standardize}  # channels scaled by the training rows' statistics (decision 21)
+                    "standardize": cfg.standardize}  # channels scaled by the training rows' statistics (docs/recipe.md, Probes)
     best = None  # (val rank, head, probabilities) of the pretrained encoder's head chosen on val: the plots
     names = list(feats_by_encoder)
     fitted = {(name, kind): fit  # each kind's heads of every encoder trained as one stack (fit_grids)

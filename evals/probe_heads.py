@@ -3,7 +3,8 @@ decay for a linear probe (the pooled tokens, `model.pool`), an attentive probe (
 attend over the tokens), and a readout for a few informative tokens among many (issue 41):
 gated-attention multiple-instance pooling. (A top-k readout of per-token class scores was tried
 and left out: on the two-marked-tokens test of tests/test_probe.py it trained to 0.48 or to 0.95
-depending on the learning rate and the number of bags; docs/learning-check.md, decision 9.)
+depending on the learning rate and the number of bags; docs/history/learning-check.md, a readout
+for a few tokens.)
 Heads share nothing, so one summed loss trains them all, and several encoders' grids train as one
 (inputs with a leading encoder axis: the heads of encoder e are e's slice of every stacked
 parameter; fewer, larger steps on a CPU, where a head's step is mostly overhead). The same heads
@@ -138,11 +139,11 @@ class ChannelScaler(nn.Module):
     """Each feature channel to zero mean and unit variance, by the statistics of the rows a head
     trains on (for the tokens, over every token of those rows). Self-supervised features are
     anisotropic even after the heads' per-token norm: a few directions hold most of the variance,
-    and an attentive head's queries then read little else (docs/learning-check.md, decisions 20-21;
+    and an attentive head's queries then read little else (docs/recipe.md, Probes;
     MAE probes through a per-channel BatchNorm for the same reason). A channel constant on those
     rows is left unscaled (it would otherwise be multiplied by a million wherever it moves).
     `on` False: the identity, with no statistics computed. The statistics are buffers: a fine-tuned
-    head saves and exports them with its weights (decision 37)."""
+    head saves and exports them with its weights (docs/recipe.md, Fine-tuning)."""
 
     CHUNK = 256  # rows per pass: float64 statistics without a float64 copy of every token
 
@@ -204,7 +205,7 @@ class ChannelScaler(nn.Module):
 class ScaledHeads(nn.Module):
     """Heads that read their inputs through fixed ChannelScalers (the tokens' only for a head that
     reads tokens): fine-tuning's head, whose statistics are the starting encoder's over the train
-    rows (evals/finetune.py; decision 37)."""
+    rows (evals/finetune.py; docs/recipe.md, Fine-tuning)."""
 
     def __init__(self, heads: nn.Module, scale_p: ChannelScaler, scale_t: ChannelScaler | None = None):
         super().__init__()
@@ -220,7 +221,7 @@ class ScaledHeads(nn.Module):
 
     def one(self, h: int) -> "ScaledHeads":
         """The grid's head `h` alone (every head keeps its weights stacked on dim 0), behind the same
-        scalers: a fitted probe head as fine-tuning's first head (decision 38)."""
+        scalers: a fitted probe head as fine-tuning's first head (`head_init: probe`)."""
         return self.part(h, h + 1)
 
     def part(self, lo: int, hi: int, encoder: int = 0) -> "ScaledHeads":
@@ -269,7 +270,7 @@ class HeadGrid:
 
 def head_epochs(rows: int, batch: int, epochs: int, min_steps: int) -> int:
     """`epochs`, or more where that many epochs of `rows` take fewer than `min_steps` optimizer steps
-    (decision 32: a label fraction's heads get the full split's updates, not a fraction of them)."""
+    (a label fraction's heads get the full split's updates, not a fraction of them: docs/recipe.md, Probes)."""
     return max(epochs, math.ceil(min_steps / max(1, math.ceil(rows / batch))))
 
 
@@ -383,7 +384,7 @@ class CachedVolumeClassifier(nn.Module):
 
 def shaped_like(kind: str, head: nn.Module, state: dict) -> nn.Module:
     """`head` (make_heads' one head of `kind`) shaped as the saved `state`: behind ChannelScalers
-    where it was saved behind them (fine-tuning's standardised or fitted heads, decisions 37-38),
+    where it was saved behind them (fine-tuning's standardised or fitted heads),
     with empty statistics to load into; a bare head's state (older runs) leaves it bare."""
     if not any(k.startswith("heads.") for k in state):
         return head

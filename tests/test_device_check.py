@@ -22,7 +22,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
         isinstance(x, dict) and ("error" in x or "skipped" in x) for x in v.values()))}
     assert res["dry_run"] and not errors, errors
     assert res["environment"]["matmul_bf16_tflops"] > 0
-    prod = res["production"]  # the production step first: eager, compiled, cuDNN first, head dim 32 in the predictor (the recipe before decision 61)
+    prod = res["production"]  # the production step first: eager, compiled, cuDNN first, head dim 32 in the predictor (the recipe before its 6 heads)
     assert set(prod) - {"section_s"} == {"eager", "compiled", "cudnn_attention", "pred_heads_12"}
     eager = prod["eager"]
     assert eager["step_s"] > 0 and eager["flops_per_step"] > 0 and eager["mfu"] > 0 and eager["tokens_per_s"] > 0
@@ -129,3 +129,69 @@ def test_a_step_process_that_dies_after_its_timing_keeps_the_timing():
     assert merged == {"a": 1, "b": 2}
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         run_json("raise RuntimeError('CUDA out of memory')", timeout=60)
+
+
+def _lc_args(tmp_path, **make):
+    """bench.device_run's learning-check arguments as `make learning-check-device` passes its variables."""
+    from bench import device_run
+
+    keys = {"out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "cue": "", "seed": "", "finetune": "",
+            "ft_seeds": "", "smoke": "", "timeout": "", **make}
+    argv = ["learning-check", *(x for k, v in keys.items() for x in (f"--{k.replace('_', '-')}", v))]
+    return device_run.parser().parse_args(argv)
+
+
+def test_learning_check_device_builds_the_check_command_from_make_variables(tmp_path):
+    """FINETUNE, FT_SEEDS, SMOKE, SEED, CUE, TIMEOUT and ARGS as the Makefile's shell line read them."""
+    from bench.device_run import SMOKE_ARGS, check_command
+
+    cmd = check_command(_lc_args(tmp_path), ["max_steps=3"])
+    assert cmd[1:9] == ["-m", "check.learning_check", "--size", "gpu", "--cue", "lesions", "--finetune",
+                        "--finetune-fraction"] and cmd[-1] == "max_steps=3"
+    assert cmd[cmd.index("--finetune-seeds") + 1] == "3" and cmd[cmd.index("--work") + 1] == f"{tmp_path}/work/data"
+    smoke = check_command(_lc_args(tmp_path, smoke="1", seed="157", cue="layers", timeout="540"), [])
+    assert smoke[:2] == ["timeout", "540"] and smoke[smoke.index("--finetune-seeds") + 1] == "1"
+    assert smoke[smoke.index("--seed") + 1] == "157" and "layers" in smoke and smoke[-len(SMOKE_ARGS):] == list(SMOKE_ARGS)
+    two = check_command(_lc_args(tmp_path, smoke="1", ft_seeds="2"), [])
+    assert two[two.index("--finetune-seeds") + 1] == "2"
+    off = check_command(_lc_args(tmp_path, finetune="0", ft_seeds="5"), [])
+    assert "--finetune" not in off and "--finetune-seeds" not in off and "--seed" not in off
+
+
+def test_learning_check_device_brings_back_the_log_and_results_of_a_run_cut_short(tmp_path, monkeypatch, capfd):
+    """The check's exit status is the target's, its output both on the terminal and in OUT's log, and the
+    result files and the newest pretraining's metrics and curves land in OUT although the run failed."""
+    from bench import device_run
+
+    runs = tmp_path / "work" / "runs"
+    script = (f"import os, pathlib, sys, time; r = pathlib.Path({str(runs)!r}); (r / 'lesions').mkdir(parents=True);"
+              "(r / 'lesions' / 'result_interim.json').write_text('{}');"
+              "[((r / n).mkdir(), (r / n / 'metrics.jsonl').write_text(n), time.sleep(0.05)) for n in ('pretrain_a', 'pretrain_b')];"
+              "print('stage done', flush=True); sys.exit(124)")
+    monkeypatch.setattr(device_run, "check_command", lambda a, args: [sys.executable, "-c", script])
+    monkeypatch.setattr(device_run, "DEVICE", tmp_path / "no_device")  # no wheels: nothing to install
+    assert device_run.learning_check(_lc_args(tmp_path), []) == 124
+    out = tmp_path / "out"
+    assert "stage done" in capfd.readouterr().out and "stage done" in (out / "learning_check.log").read_text()
+    assert (out / "result_interim.json").exists() and (out / "pretrain_metrics.jsonl").read_text() == "pretrain_b"
+    assert not (out / "pretrain_curves.png").exists()
+
+
+def test_wheelhouse_copies_vjepa2s_sources_and_commit(tmp_path):
+    """make wheelhouse VJEPA2_SRC=...: src/ and app/ at the checkout's HEAD (not its other folders, not its
+    uncommitted edits), and the short commit."""
+    from bench.device_run import copy_vjepa2
+
+    repo = tmp_path / "vjepa2"
+    for rel in ("src/models/vit.py", "app/main.py", "evals/x.py"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(rel)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True)
+    (repo / "src/models/vit.py").write_text("edited")
+    dest = copy_vjepa2(repo, tmp_path / "device" / "vjepa2")
+    assert (dest / "src/models/vit.py").read_text() == "src/models/vit.py" and (dest / "app/main.py").exists()
+    assert not (dest / "evals").exists()
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    assert (dest / "COMMIT").read_text() == head

@@ -8,8 +8,13 @@ from conftest import REPO
 from train.step import guarded_step
 
 
+def _pages() -> list:
+    """README.md and every page under docs/, docs/history/ included."""
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
 def _docs() -> str:
-    return "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    return "\n".join(p.read_text() for p in _pages())
 
 
 def test_update_guard_is_described_as_it_runs():
@@ -40,7 +45,7 @@ def test_training_doc_names_each_guard_path(phrase):
 
 
 def test_readme_is_a_users_page():
-    """Issue 63: README is at most 350 lines and names no numbered decision (docs/learning-check.md holds them)."""
+    """Issue 63: README is at most 350 lines and names no numbered decision (docs/history/learning-check.md holds them)."""
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 350
     assert not [line for line in lines if re.search(r"\b[Dd]ecisions? F?\d", line)]
@@ -51,10 +56,18 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def _anchors(page) -> set:
+    """A page's link targets: its headings' anchors and its explicit `<a id="...">` ones (the decision log's
+    `#decision-61`, which outlive a heading's rewording)."""
+    text = page.read_text()
+    return ({_slug(h.lstrip("#")) for h in text.splitlines() if h.startswith("#")}
+            | set(re.findall(r'<a id="([^"]+)"></a>', text)))
+
+
 def test_every_relative_link_resolves():
-    """Links between README.md and docs/ name a file that exists and, with a #fragment, one of its headings."""
+    """Links between README.md and docs/ name a file that exists and, with a #fragment, one of its anchors."""
     bad = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in _pages():
         text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
         for link in re.findall(r"\]\(([^)\s]+)\)", text):
             if link.startswith(("http:", "https:", "mailto:")):
@@ -63,7 +76,15 @@ def test_every_relative_link_resolves():
             target = (doc.parent / path) if path else doc
             if not target.exists():
                 bad.append(f"{doc.name}: {link}")
-            elif frag and target.suffix == ".md" and frag not in {
-                    _slug(h.lstrip("#")) for h in target.read_text().splitlines() if h.startswith("#")}:
+            elif frag and target.suffix == ".md" and frag not in _anchors(target):
                 bad.append(f"{doc.name}: {link} (no such heading)")
     assert not bad, bad
+
+
+def test_each_decision_has_a_stable_anchor():
+    """docs/history/learning-check.md#decision-N reaches decision N whatever its heading says, each
+    anchor on its own line with a blank line before the heading (else markdown reads the heading as HTML)."""
+    text = (REPO / "docs" / "history" / "learning-check.md").read_text()
+    numbers = re.findall(r"^## Decision (F?\d+):", text, re.M)
+    anchored = re.findall(r'^<a id="decision-(f?\d+)"></a>\n\n## Decision ', text, re.M)
+    assert len(numbers) >= 60 and [n.lower() for n in numbers] == anchored

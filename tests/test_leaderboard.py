@@ -160,7 +160,7 @@ def test_a_checkpoint_cut_short_is_skipped_by_probe_and_leaderboard(run_a, tmp_p
 
 
 def test_a_probe_key_added_later_leaves_stored_results_valid_at_its_default():
-    """`baseline_seed` (decision 60) came after leaderboards were stored: at its default (None) it stays out
+    """`baseline_seed` (a cohort's own random-init draws) came after leaderboards were stored: at its default (None) it stays out
     of the settings key, so no stored result goes stale; set, it is in the key."""
     default = config.load(ProbeConfig, "configs/probe.yaml", [])
     assert "baseline_seed" not in leaderboard.result_settings(default)

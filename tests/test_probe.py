@@ -124,7 +124,7 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
 
 
 def test_random_init_draws_are_encoders_of_their_own_init_seeds(signal_run):
-    """`baseline_draws` (decision 44): random-init encoders drawn with init seeds seed + 1, + 2,
+    """`baseline_draws` (docs/recipe.md, Probes): random-init encoders drawn with init seeds seed + 1, + 2,
     each extracted and probed under its own name, the first keeping the name it had alone."""
     cfg = _cfg(signal_run, cross_device=False, per_device=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
     out = probe.run(cfg)
@@ -259,7 +259,7 @@ def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(ki
     tr, te = np.arange(n) < 200, np.arange(n) >= 200
     for labels, lo, hi in ((y, 0.9, 1.0), (rng.permutation(y), 0.0, 0.65)):
         predict = probe_heads.train_heads(kind, [(1e-2, 0.0)], pooled[tr], t[tr], labels[tr], 2, 30, 32, 0,
-                                          standardize=True)  # as the probes ship (decision 21)
+                                          standardize=True)  # as the probes ship
         acc = pm.balanced_accuracy(labels[te], predict(pooled[te], t[te])[0].argmax(1), 2)
         assert lo <= acc <= hi, (kind, acc)
 
