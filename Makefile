@@ -70,7 +70,7 @@ help:
 	@echo "make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS='task=diabetic label_fraction=0.1'] [NPROC=2]"
 	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
 	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
-	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [CURVE=1] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000 --no-supervised --set random_draws=1']: pretrained vs random-init, a verdict line per question (CURVE: a supervised reference at 10, 25 and 100% of labels, not only 10%; --set: any CheckConfig key, check/config.py)"
+	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [LABELS=1 | CURVE=1] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000 --set random_draws=1']: pretrained vs random-init, a verdict line per question (CURVE: a supervised reference at 10, 25 and 100% of labels, not only 10%; --set: any CheckConfig key, check/config.py)"
 	@echo "make results RESULT=runs/learning_check/<cue>/result.json   that run's line in README's Results table (docs/results.jsonl)"
 	@echo ""
 	@echo "Developer targets (tests beyond make test, benchmarks, a lent GPU machine):"
@@ -79,7 +79,7 @@ help:
 	@echo "make bench           benchmarks -> runs/bench/bench.json + bench.md [VJEPA2_SRC=<vjepa2 checkout>: the reference step beside ours]"
 	@echo "make wheelhouse [VJEPA2_SRC=<checkout>]   wheels (Python 3.12) and vjepa2 for a GPU machine without network, in .device/"
 	@echo "make device-check OUT=<folder>   on a lent H100/H200: the ViT-B step (eager, pred_heads 12 beside the recipe's 6, cuDNN), vjepa2 beside it, the stem conv, compiled per block, the check step, a real run, CUDA tests; each within its predicted cost and cap"
-	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--no-supervised']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
+	@echo "make learning-check-device OUT=<folder> [FT_SEEDS=3 | FINETUNE=0] [SMOKE=1] [TIMEOUT=s] [ARGS='--curve']   on a lent H100/H200 (wheels from make wheelhouse): the check at GPU size (SMOKE: every stage, small)"
 	@echo "make xla-venv        the torch_xla lane's own venv under ~/.cache/octfm (make test-xla makes it)"
 
 venv: $(STAMP)
@@ -169,7 +169,7 @@ bench: $(STAMP)
 # SOURCE only when given on the command line (its default is the demo mirror): else the generated cohort
 learning-check: $(STAMP)
 	$(PY) -m check.learning_check $(if $(SIZE),--size $(SIZE)) $(if $(CUE),--cue $(CUE)) $(if $(SEED),--seed $(SEED)) \
-		$(if $(filter-out 0,$(CURVE)),--curve) $(if $(filter-out 0,$(FINETUNE)),--finetune) $(if $(FT_SEEDS),--finetune-seeds $(FT_SEEDS)) \
+		$(if $(filter-out 0,$(LABELS)),--label-efficiency) $(if $(filter-out 0,$(CURVE)),--curve) $(if $(filter-out 0,$(FINETUNE)),--finetune) $(if $(FT_SEEDS),--finetune-seeds $(FT_SEEDS)) \
 		$(if $(filter command line environment,$(origin SOURCE)),--source $(SOURCE)) $(ARGS)
 
 # README's Results table: RESULT's record into docs/results.jsonl, then the table rewritten (bench/results_table.py)

@@ -127,9 +127,10 @@ def device_check(out: str, args: Sequence[str]) -> int:
 
 
 def check_command(a: argparse.Namespace, args: Sequence[str]) -> list[str]:
-    """The learning check's command line at GPU size: fine-tuning at 10% of labels over FT_SEEDS
-    training seeds unless FINETUNE=0, SMOKE's small sizes, then ARGS."""
-    cmd = [sys.executable, "-m", "check.learning_check", "--size", "gpu", "--cue", a.cue or "lesions"]
+    """The learning check's command line at GPU size: the label-efficiency question (the 10% reference),
+    fine-tuning at 10% of labels over FT_SEEDS training seeds unless FINETUNE=0, SMOKE's small sizes, then ARGS."""
+    cmd = [sys.executable, "-m", "check.learning_check", "--size", "gpu", "--cue", a.cue or "lesions",
+           "--label-efficiency"]
     if a.seed:
         cmd += ["--seed", a.seed]
     if a.finetune != "0":

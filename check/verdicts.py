@@ -68,7 +68,7 @@ def chosen_on_val(res: dict, encoder: str) -> str:
 def label_efficiency_verdict(result: dict) -> str | None:
     """Label efficiency, its own question: at the curve's smallest fraction, the frozen pretrained probe
     against the supervised reference trained on the same participants (target: pretrained >= supervised).
-    None where no reference was trained (the scanners cue, --no-supervised, the interim result)."""
+    None where no reference was trained (the default, the scanners cue, the interim result)."""
     points = (result.get("label_efficiency") or {}).get("points", [])
     if not any("supervised" in p for p in points):
         return None

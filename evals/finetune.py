@@ -48,8 +48,8 @@ RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every
 
 def run_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, task: str, device: str,
                *args: str) -> FinetuneConfig:
-    """configs/finetune.yaml as users run it, for one scripted run (the learning check's rows,
-    check/finetune_seeds.py): bf16 on cuda, fp32 elsewhere; `args` override any key."""
+    """configs/finetune.yaml as users run it, for one scripted run (the learning check's rows): bf16 on
+    cuda, fp32 elsewhere; `args` override any key."""
     return config.load(FinetuneConfig, "configs/finetune.yaml",
                        [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
                         f"seed={seed}", f"task={task}", f"device={device}",
@@ -166,16 +166,13 @@ class Finetuner(TrainLoop):
 
     keep_last = 1
 
-    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None,
-                 dataset=None, dataset_key: dict | None = None):
-        """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`); `dataset(ds, y)`:
-        wraps the labelled crops (default Labelled; check/cohort_screen.py plants a cue with it), and
-        `dataset_key` says what that wrapper changes (the plant): it keys the run as its settings do."""
+    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None):
+        """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`)."""
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
         # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
         checkpoint.require_shared(str(run_dir(cfg)), rt.hosts, key="out")
-        self.cfg, self.dataset, self.dataset_key = cfg, dataset or Labelled, dataset_key
+        self.cfg = cfg
         self.folder = RunFolder(run_dir(cfg))
         super().__init__(rt, self.folder.root, self.folder.checkpoints(), f"finetune {cfg.task} ({cfg.init})")
         self.spec = TASKS[cfg.task]
@@ -290,10 +287,8 @@ class Finetuner(TrainLoop):
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
-        """What the weights depend on: a resume under other settings is refused. The dataset wrapper's
-        keys (the plant) join them when set."""
-        out = {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
-        return {**out, **(self.dataset_key or {})}
+        """What the weights depend on: a resume under other settings is refused."""
+        return {k: v for k, v in config.to_dict(self.cfg).items() if k not in RESUME_FREE}
 
     def position(self) -> int:
         """Where the run is, in the unit it is scored at: whole epochs, or with `val_every` optimizer
@@ -374,7 +369,7 @@ class Finetuner(TrainLoop):
         ds = data.CacheDataset(rows, self.tcfg.data, None, None, None, training_seed(cfg), augment=cfg.augment)
         sampler = data.EpochSampler(len(rows), self.batch, self.rt.rank, self.rt.world, training_seed(cfg), True,
                                     start_step, self.total)
-        dl = data.batch_loader(self.dataset(ds, y), self.batch, sampler, cfg.workers, self.tcfg.data.start_method,
+        dl = data.batch_loader(Labelled(ds, y), self.batch, sampler, cfg.workers, self.tcfg.data.start_method,
                                pin=self.rt.kind == "cuda", prefetch_factor=self.tcfg.data.prefetch_factor)
         return sampler.batches_per_epoch, dl
 
@@ -413,17 +408,12 @@ class Finetuner(TrainLoop):
         return loss.detach()
 
     @torch.no_grad()
-    def predict(self, mask: np.ndarray, change=None) -> np.ndarray:
+    def predict(self, mask: np.ndarray) -> np.ndarray:
         """Class probabilities [n, C] of the masked rows: centre crop, no augmentation (as the probes see
-        them), through the probes' features loop (features.extract_all) and the head. `change(x, start)`
-        edits each uint8 batch first, `start` its first row's index among the masked rows
-        (check/cohort_screen.py plants its cue with it). Leaves the model in eval mode (the loop calls
-        set_phase after a score)."""
+        them), through the probes' features loop (features.extract_all) and the head. Leaves the model in
+        eval mode (the loop calls set_phase after a score)."""
         self.model.eval()
         batches = self.inputs(mask)
-        if change is not None:
-            starts = np.cumsum([0] + [n for _, n in batches])
-            batches = [(change(x, int(start)), n) for (x, n), start in zip(batches, starts)]
         if not batches:
             return np.zeros((0, self.spec["classes"]))
         reads = probe_heads.reads_tokens(self.kind)

@@ -142,12 +142,13 @@ def _lc_args(tmp_path, **make):
 
 
 def test_learning_check_device_builds_the_check_command_from_make_variables(tmp_path):
-    """FINETUNE, FT_SEEDS, SMOKE, SEED, CUE, TIMEOUT and ARGS as the Makefile's shell line read them."""
+    """FINETUNE, FT_SEEDS, SMOKE, SEED, CUE, TIMEOUT and ARGS as the Makefile's shell line read them; the GPU
+    size asks the label-efficiency question (the 10% reference) as it did before the CPU default dropped it."""
     from bench.device_run import SMOKE_ARGS, check_command
 
     cmd = check_command(_lc_args(tmp_path), ["max_steps=3"])
-    assert cmd[1:9] == ["-m", "check.learning_check", "--size", "gpu", "--cue", "lesions", "--finetune",
-                        "--finetune-fraction"] and cmd[-1] == "max_steps=3"
+    assert cmd[1:10] == ["-m", "check.learning_check", "--size", "gpu", "--cue", "lesions", "--label-efficiency",
+                         "--finetune", "--finetune-fraction"] and cmd[-1] == "max_steps=3"
     assert cmd[cmd.index("--finetune-seeds") + 1] == "3" and cmd[cmd.index("--work") + 1] == f"{tmp_path}/work/data"
     smoke = check_command(_lc_args(tmp_path, smoke="1", seed="157", cue="layers", timeout="540"), [])
     assert smoke[:2] == ["timeout", "540"] and smoke[smoke.index("--finetune-seeds") + 1] == "1"

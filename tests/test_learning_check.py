@@ -419,7 +419,7 @@ def gpu_dry_run(tmp_path, out, capsys):
     pretrain.Trainer.load_resident = spy
     try:
         assert learning_check.main(["--work", str(tmp_path / "work"), "--out", str(tmp_path / out),
-                                    *GPU_TINY, *FT, *PROBE]) == 0
+                                    *GPU_TINY, "--label-efficiency", *FT, *PROBE]) == 0  # as make learning-check-device
     finally:
         pretrain.Trainer.load_resident = real
     res = json.loads((tmp_path / out / "lesions" / "result.json").read_text())
@@ -507,12 +507,14 @@ def test_the_size_sets_the_fine_tuning_keys_and_how_many_runs_at_once(monkeypatc
         learning_check.main(["--set", "random_draws=0"])
 
 
-def test_the_default_check_trains_one_reference_and_the_curve_on_request():
-    """The label-efficiency question is asked at 10% of labels: one supervised reference by default,
-    the whole curve with --curve (CURVE=1), none with --no-supervised; the frozen curve is the same."""
+def test_the_default_check_trains_no_reference_and_label_efficiency_on_request():
+    """The default asks whether pretraining learns (no supervised reference: one costs more than the rest
+    of the check); --label-efficiency (LABELS=1) trains the 10% reference, --curve (CURVE=1) all three,
+    whichever order they come in."""
     parse = learning_check.parse
-    assert parse([]).reference_fractions == (0.1,) and parse(["--curve"]).reference_fractions == FRACTIONS
-    assert parse(["--no-supervised"]).reference_fractions == ()
+    assert parse([]).reference_fractions == () and parse(["--curve"]).reference_fractions == FRACTIONS
+    assert parse(["--label-efficiency"]).reference_fractions == (0.1,)
+    assert parse(["--curve", "--label-efficiency"]).reference_fractions == FRACTIONS
     assert parse(["--finetune"]).finetune_fractions == (0.1, 1.0) and parse([]).finetune_fractions == ()
     assert parse(["--finetune-fraction", "0.5"]).finetune_fractions == (0.5,)
     cfg = parse(["--cue", "layers", "--seed", "29", "max_steps=30", "--probe", "epochs=5", "--set", "bootstrap=10"])

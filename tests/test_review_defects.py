@@ -1,4 +1,4 @@
-"""Issue 75, item 4: what keys a kept result (a screen's plant, the features' code), what a resumed
+"""Issue 75, item 4: what keys a kept result (the features' code), what a resumed
 fine-tuning run reports as its start, and the learning check's result files and job names."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, keys_after_edits, tiny_train_args, train_here
-from octfm import cli, config
+from conftest import keys_after_edits, tiny_train_args, train_here
+from octfm import config
 from train import checkpoint, runtime
 
 QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
@@ -21,40 +21,6 @@ def pretrained(signal_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("review")
     train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
     return root / "runs" / "p" / "checkpoints"
-
-
-def _tiny_train_config(signal_cache, tmp_path):
-    from train.config import TrainConfig
-
-    return config.load(TrainConfig, str(REPO / "configs" / "pretrain_smoke.yaml"),
-                       tiny_train_args(signal_cache, tmp_path / "runs"))
-
-
-# ---------------------------------------------------------------- 2: the screen's plant keys its run
-def _saved_at_the_end(ft, progress: bool = True) -> dict:
-    """Finetuner.run without the training: the run saved as if its budget were spent."""
-    ft.step, ft.epoch = ft.total, ft.epochs
-    ft.history = [{"epoch": ft.epoch, "step": ft.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
-    ft.save()
-    ft.writer.wait()
-    return {}
-
-
-@pytest.mark.slow  # a cohort screen built and a run saved, about 13 s: the heavy lane
-def test_a_screen_with_a_plant_does_not_reuse_a_run_trained_without_it(signal_cache, tmp_path, monkeypatch):
-    """`check.cohort_screen --plant N` over an --out whose reference trained without the plant: the
-    plant is part of the run's settings, so the unplanted run is not taken for the planted one (its
-    screen.json would say "plant": N over a model that never saw the cube)."""
-    from check import cohort_screen
-    from evals import finetune
-
-    monkeypatch.setattr(finetune.Finetuner, "run", _saved_at_the_end)
-    cfg = _tiny_train_config(signal_cache, tmp_path)
-    out = tmp_path / "screen"
-    assert not cohort_screen.train_reference(cfg, out, 1, plant=0, progress=False).resumed
-    with pytest.raises(cli.UsageError, match=r"other settings \(.*plant.*\)"):
-        cohort_screen.train_reference(cfg, out, 1, plant=60, progress=False)
-    assert cohort_screen.train_reference(cfg, out, 1, plant=0, progress=False).resumed  # the same plant: reused
 
 
 # ---------------------------------------------------------------- 3: the start a resumed run trained from
