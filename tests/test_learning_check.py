@@ -195,7 +195,8 @@ def test_kept_results_are_keyed_on_the_code(tmp_path):
     probe = ("import sys; from pathlib import Path; from check import learning_check as lc; "
              "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
              "print(lc.finetune_tag('random', 0.1, None, 0)); "
-             "import dataclasses; lc.cohort(Path(sys.argv[1]), dataclasses.replace(lc.COHORT, participants=4))")
+             "import dataclasses; from check.cohort import COHORT; "
+             "lc.cohort(Path(sys.argv[1]), dataclasses.replace(COHORT, participants=4))")
 
     def run():
         r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cohort")], cwd=copy, capture_output=True,
@@ -464,7 +465,7 @@ def test_the_gpu_size_check_gives_the_same_rows_one_at_a_time(tmp_path, capsys):
     gives the at-once run's rows."""
     res = gpu_dry_run(tmp_path, "out", capsys)
     assert learning_check.main(["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out2"), "--one-at-a-time",
-                                *GPU_TINY, *FT, *PROBE]) == 0
+                                *GPU_TINY, "--label-efficiency", *FT, *PROBE]) == 0
     seq = json.loads((tmp_path / "out2" / "lesions" / "result.json").read_text())
     # each run a stage of its own (the curve's heads then train in the probes stage)
     assert "references and fine-tuning" not in seq["stages"] and {
