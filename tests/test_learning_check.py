@@ -32,8 +32,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     r = run_cli("check.learning_check", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "lesions" / "result.json").read_text())
-    verdict, efficiency = r.stdout.strip().splitlines()[-2:]             # one line per question, printed last
-    assert [verdict, efficiency] == verdicts.verdict_lines(res)
+    verdict, efficiency, tuning = r.stdout.strip().splitlines()[-3:]     # one line per question, printed last
+    assert [verdict, efficiency, tuning] == verdicts.verdict_lines(res)
+    assert tuning.startswith("fine-tuning [lesions]: NOT ASKED: FINETUNE=1")   # a question not asked says how
     assert verdict.startswith("learning-check [lesions]: ") and "pretrained - random-init (mean of 2 draws)" in verdict
     assert res["verdict"] == verdict and res["step"] == 4 and res["cohort_seed"] == 16
     first = res["label_efficiency"]["points"][0]                         # its own line: 10% against its reference
@@ -103,7 +104,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert len(verdict_lines) == 1 + len(tuned)
     printed = "\n".join(verdicts.verdict_lines(res2)).splitlines()   # learns, label efficiency, then fine-tuning's
     assert again.stdout.strip().splitlines()[-len(printed):] == printed and printed[-len(verdict_lines):] == verdict_lines
-    assert printed[:2] == [res2["verdict"], res2["label_efficiency"]["verdict"]] == verdicts.verdict_lines(res)
+    assert printed[:2] == [res2["verdict"], res2["label_efficiency"]["verdict"]] == verdicts.verdict_lines(res)[:2]
     chosen = res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["pretrained"]
     assert tuned[-1]["frozen"]["balanced_accuracy"] == chosen       # the frozen probe (val's head) it is set against
     for p in tuned:
@@ -552,7 +553,8 @@ def test_each_question_has_its_own_verdict_line():
            "label_efficiency": {"points": [point(0.1, 0.630, 0.776), point(0.25, 0.7), point(1.0, 0.74)]}}
     res["verdict"] = verdicts.verdict(res)
     res["label_efficiency"]["verdict"] = verdicts.label_efficiency_verdict(res)
-    learns, efficiency = verdicts.verdict_lines(res)
+    learns, efficiency, tuning = verdicts.verdict_lines(res)
+    assert tuning.startswith("fine-tuning [lesions]: NOT ASKED")
     assert learns.startswith("learning-check [lesions]: PASS: ") and "+0.106 [+0.052, +0.162]" in learns
     assert "supervised" not in learns
     assert efficiency == ("label efficiency [lesions]: FAIL: at 10% of labels frozen pretrained 0.630 vs supervised "
@@ -560,6 +562,8 @@ def test_each_question_has_its_own_verdict_line():
     res["finetune"] = {"verdict": "fine-tuning, ...: PASS (target ...)\n- 10% of labels: ...",
                        "against_supervised": "fine-tuned at 10% of labels vs the supervised reference ..."}
     assert verdicts.verdict_lines(res)[2:] == [res["finetune"]["against_supervised"], res["finetune"]["verdict"]]
+    asked_nothing = {**res, "label_efficiency": {"points": [point(0.1, 0.630)]}, "finetune": None}   # the default
+    assert [ln.split(": ")[1] for ln in verdicts.verdict_lines(asked_nothing)[1:]] == ["NOT ASKED", "NOT ASKED"]
     failing = {**row, "difference_ci95": [-0.01, 0.2]}                 # the interval not above 0: the headline fails
     assert verdicts.verdict({**res, "tasks": {t: {"comparisons": {"same_kind_chosen_on_val": failing}}
                                               for t in tasks}}).startswith("learning-check [lesions]: FAIL: ")
