@@ -166,8 +166,7 @@ class Finetuner(TrainLoop):
 
     keep_last = 1
 
-    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime, backbone: Backbone | None = None):
-        """`backbone`: the encoder to train (default: load_backbone(cfg), from `ckpt`)."""
+    def __init__(self, cfg: FinetuneConfig, rt: runtime.Runtime):
         if cfg.task not in TASKS:
             raise cli.UsageError(f"task: unknown task {cfg.task!r} (known: {', '.join(TASKS)})")
         # as pretraining (Trainer): rank 0 alone saves, and every rank resumes from and reads the run folder
@@ -176,7 +175,7 @@ class Finetuner(TrainLoop):
         self.folder = RunFolder(run_dir(cfg))
         super().__init__(rt, self.folder.root, self.folder.checkpoints(), f"finetune {cfg.task} ({cfg.init})")
         self.spec = TASKS[cfg.task]
-        bb = backbone or load_backbone(cfg)
+        bb = load_backbone(cfg)
         self._read_rows(bb)
         saved = self._saved_state()
         self._build_model(bb.encoder.to(rt.device), saved)
