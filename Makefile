@@ -105,7 +105,8 @@ DEMO_SHAPE  := preprocess.target_shape=[32,128,128] preprocess.resample=grid
 demo: $(STAMP)
 	@test -f $(SRC)/participants.tsv || $(PY) -m ingest.synth --out $(SRC) $(DEMO_COHORT) --layout $(LAYOUT)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST)
-	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet $(cache_cfg) $(DEMO_SHAPE)
+	$(PY) -m manifests.build --source $(DST) --out $(CACHE)/sources.parquet
+	$(PY) -m cache.preview --cache $(CACHE) $(cache_cfg) $(DEMO_SHAPE)
 	$(PY) -m cache.build --source $(DST) --cache $(CACHE) $(cache_cfg) $(DEMO_SHAPE)
 	$(PY) -m train.pretrain --config configs/pretrain_smoke.yaml data.cache=$(CACHE) data.stride=[1,1,1]
 	$(PY) -m evals.probe --config configs/probe.yaml run=runs/pretrain_smoke
@@ -180,8 +181,11 @@ results: $(STAMP)
 mirror: $(STAMP)
 	$(PY) -m ingest.mirror --src $(SRC) --dst $(DST) $(ARGS)
 
+# The listing, then what the cache config will make of it (cache/preview.py); exit 3 (STRICT) after the preview.
 manifest: $(STAMP)
-	$(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(table_flags) $(cache_cfg) $(strict_flag) $(ARGS)
+	@status=0; $(PY) -m manifests.build --source $(SOURCE) --out $(CACHE)/sources.parquet $(table_flags) $(strict_flag) \
+	  || status=$$?; [ $$status = 0 ] || [ $$status = 3 ] || exit $$status; \
+	  $(PY) -m cache.preview --cache $(CACHE) $(cache_cfg) $(ARGS) && exit $$status
 
 cache: $(STAMP)
 	$(PY) -m cache.build --source $(SOURCE) --cache $(CACHE) $(cache_cfg) $(shard_flag) $(table_flags) $(strict_flag) $(ARGS)

@@ -24,6 +24,7 @@ from cache.config import CacheConfig
 from cache.worker import SCAN_NAMES, SOURCE_NAMES, VOLUME_NAMES, _init_worker, process_row, volume_path
 from ingest import dicom
 from ingest import preprocess as prep
+from ingest import scan as scans
 from manifests import build as manifest_build
 from manifests import layout, schema
 from octfm import cli, config, fsio, procs
@@ -127,24 +128,28 @@ def existing_arrays(cache_root: str) -> set[str]:
 
 def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, int]):
     """Split this shard's rows into done (failed in the manifest, not selected, or reusable) and
-    to-do, computing cache keys. A file read before keeps its header's reading of the scan."""
+    to-do, computing cache keys. A file read before keeps its header's reading of the scan while the
+    code that reads headers is unchanged (its reading_key); after a change it is read again, and its
+    volume kept when the new reading is the same (the worker compares scan keys)."""
     prev = previous_rows(cache_root, shard)
     arrays = existing_arrays(cache_root)
+    reading = scans.reading_key()
     done, todo = [], []
     for src in rows:
         row = {k: src.get(k) for k in SOURCE_NAMES}
         row["cache_key"] = cache_key(row, cfg)
+        row["reading_key"] = reading
         if row["manifest_error"]:
             done.append({**row, "status": "failed", "error": row["manifest_error"], "code_version": prep.CODE_VERSION})
             continue
         old = prev.get(row["relpath"])
         same = old and old.get("cache_key") == row["cache_key"] and old.get("status") in ("ok", "skipped")
-        read = old if same and old.get("native_shape") is not None else None   # its header was read
+        read = old if same and old.get("native_shape") is not None and old.get("reading_key") == reading else None
         if read:
             row.update({k: read.get(k) for k in SCAN_NAMES})
         reason = cfg.select.skip_reason(row, final=bool(read))
         if reason is not None:
-            kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1")} if read else {}
+            kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1", "geometry_warning")} if read else {}
             done.append({**row, **kept, "status": "skipped", "skip_reason": reason, "code_version": prep.CODE_VERSION,
                          "reused": bool(same)})  # decided again without work: as before
             continue
@@ -153,9 +158,11 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
             if not (read and read.get("status") == "ok"):
                 read = store.read_attrs(cache_root, vol)
             if read and read.get("cache_key") == row["cache_key"] and read.get("status") == "ok":
-                done.append({**row, **{k: read.get(k) for k in (*VOLUME_NAMES, *SCAN_NAMES) if k in read},
-                             "reused": True, "sop_instance_uid": row["sop_instance_uid"] or read.get("sop_instance_uid")})
-                continue
+                if read.get("reading_key") == reading:
+                    done.append({**row, **{k: read.get(k) for k in (*VOLUME_NAMES, *SCAN_NAMES) if k in read},
+                                 "reused": True, "sop_instance_uid": row["sop_instance_uid"] or read.get("sop_instance_uid")})
+                    continue
+                row["prior_scan_key"] = read.get("scan_key")
         todo.append(row)
     return done, todo
 
@@ -317,6 +324,16 @@ def summarize(rows: list[dict], reused: int, seconds: float, cache_root: str, sh
     reasons = Counter(cli.reason(r["error"]) for r in rows if r["status"] == "failed" and r.get("error"))
     if reasons:
         lines.append(cli.format_table(["failure reason", "files"], reasons.most_common()))
+    read = [r for r in rows if r.get("native_shape") is not None]   # rows whose header was read
+    if read:
+        by = Counter(r.get("protocol_by") or "nothing" for r in read)
+        lines.append("protocol told by: " + ", ".join(f"{k} {by[k]}" for k in ("header", "name", "shape", "nothing")
+                                                        if by[k]) + " (ingest/scan.py)")
+    warned = Counter(r.get("protocol") or "unknown" for r in rows if r.get("geometry_warning"))
+    if warned:
+        lines.append(cli.format_table(["geometry warnings", "files"], warned.most_common()))
+        example = next(r for r in rows if r.get("geometry_warning"))
+        lines.append(f"  e.g. {example['relpath']}: {example['geometry_warning']}")
     if mismatches:
         lines.append(f"note: {mismatches} file(s) whose name names another protocol than their header's "
                      "Protocol Name (the header's is kept)")

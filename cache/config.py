@@ -13,25 +13,28 @@ class Select:
     A row that does not pass is `skipped`, with its reason: never failed, never cached. By default
     only raster volumes: a radial scan's B-scans are no volume (manifests/protocols.py)."""
     device: list[str] = dataclasses.field(default_factory=list)        # e.g. [topcon_triton, zeiss_cirrus]
-    protocol: list[str] = dataclasses.field(default_factory=list)      # e.g. ["maestro2 3d wide oct"]
+    protocol: list[str] = dataclasses.field(default_factory=list)      # e.g. ["maestro2 3d wide oct", "cirrus mac oct"]
     region: list[str] = dataclasses.field(default_factory=list)        # macula, optic disc, wide field
     scan_pattern: list[str] = dataclasses.field(default_factory=lambda: [protocols.RASTER])  # + radial, line, unknown
 
     def __post_init__(self):
         from octfm.config import FieldError
 
-        bad = [p for p in self.scan_pattern if p not in (*protocols.PATTERNS, protocols.UNKNOWN)]
-        if bad:
-            raise FieldError("scan_pattern", f"{bad}: each one of {[*protocols.PATTERNS, protocols.UNKNOWN]}")
-        bad = [d for d in self.device if d not in aireadi.DEVICES]
-        if bad:
-            raise FieldError("device", f"{bad}: each one of {list(aireadi.DEVICES)}")
-        self.protocol = [protocols.normalise(p) for p in self.protocol]
-        self.region = [" ".join(r.lower().split()) for r in self.region]
+        self.protocol = [protocols.canonical(p) for p in self.protocol]
+        self.region = [protocols.region_word(r) for r in self.region]
+        known = {"device": aireadi.DEVICES, "protocol": tuple(protocols.PROTOCOLS), "region": protocols.REGIONS,
+                 "scan_pattern": (*protocols.PATTERNS, protocols.UNKNOWN)}
+        for key, values in known.items():
+            bad = [v for v in getattr(self, key) if v not in values]
+            if bad:   # a value that names nothing would silently skip everything it meant to keep
+                near = {b: protocols.nearest(b, values) for b in bad}
+                hint = "; ".join(f"{b!r}: nearest {', '.join(n) if n else 'none'}" for b, n in near.items())
+                raise FieldError(key, f"{bad} not known ({hint}); known: {', '.join(values)}")
 
     def skip_reason(self, row: dict, final: bool = True) -> str | None:
-        """Why this row is not cached under this selection (None: it is). Not `final` (before the
-        header is read): a value not known yet passes, for the header to tell."""
+        """Why this row is not cached under this selection (None: it is), naming the key and the
+        value that would take it. Not `final` (before the header is read): a value not known yet
+        passes, for the header to tell."""
         checks = (("device", row.get("device")), ("protocol", row.get("protocol")),
                   ("region", protocols.region_word(row.get("anatomic_region"))), ("scan_pattern", row.get("scan_pattern")))
         for key, value in checks:
@@ -40,7 +43,8 @@ class Select:
                 continue
             value = value or protocols.UNKNOWN
             if kept and value not in kept:
-                return f"not selected: {key} {value} (select.{key} keeps {', '.join(kept)})"
+                return (f"not selected: {key} {value} (select.{key} keeps {', '.join(kept)}; "
+                        f"select.{key}=[{','.join([*kept, value])}] takes it)")
         return None
 
 

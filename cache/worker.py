@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 
 from cache import store
 from cache.config import CacheConfig
-from ingest import geometry
 from ingest import preprocess as prep
+from ingest import scan as scans
 from ingest.dicom import BadInput, decode_pixels, read_header
-from manifests import layout, protocols, schema
+from manifests import layout, schema
 from octfm import archives, config, fsio
 
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
 VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAMES]
-# source columns the header reads anew (describe_scan): a reused row keeps the header's reading
-SCAN_NAMES = ("protocol", "scan_pattern", "field_mm")
+# source columns the header reads anew (ingest/scan.py): a reused row keeps the header's reading
+SCAN_NAMES = ("protocol", "protocol_by", "scan_pattern", "field_mm")
 
 
 def volume_path(relpath: str) -> str:
@@ -43,29 +44,23 @@ def _init_worker() -> None:
         pass
 
 
-def describe_scan(row: dict, header) -> dict:
-    """What the header says of the scan, the manifest's reading as fallback: protocol (Protocol Name
-    first), scan_pattern (the frames' traces first, then the published protocol), the voxel size
-    (axes the header leaves out filled from the published field) and field_mm (each axis's extent;
-    none across a radial scan's frames). `mismatch`: the file name's protocol where the header's differs."""
-    named, by_name = protocols.normalise(header.protocol_name), row.get("protocol")
-    # the header's name where the table knows it; else the file name's known one (Zeiss keeps its own
-    # Protocol Name in Cirrus headers), else whichever there is
-    protocol = next((p for p in (named, by_name) if protocols.known(p)), named or by_name)
-    mismatch = by_name if protocols.known(named) and protocols.known(by_name) and named != by_name else None
-    pattern = geometry.scan_pattern(header.traces) or protocols.published_pattern(protocol)
-    shape = (header.frames, header.rows, header.cols)
-    published = protocols.published_field(protocol) or [None, None, None]
-    spacing = list(header.spacing_mm or (float("nan"),) * 3)
-    for axis, extent in enumerate(published):
-        if not spacing[axis] > 0 and extent:
-            spacing[axis] = extent / shape[axis]
-    field = [round(s * n, 4) if s > 0 else None for s, n in zip(spacing, shape)]
-    if pattern == protocols.RADIAL:
-        field[0] = None
-    known = all(s > 0 for s in spacing)
-    return {"protocol": protocol, "scan_pattern": pattern, "field_mm": field, "native_shape": list(shape),
-            "spacing": tuple(spacing) if known or header.spacing_mm else None, "mismatch": mismatch}
+def scan_key(row: dict, scan) -> str:
+    """What, besides the pixels, decides a volume's bytes: the row's cache key (the source and the
+    output parameters) and the header's reading. A re-read (the reading code changed) that gives the
+    same key keeps the volume without decoding it again."""
+    return config.content_key({"cache_key": row["cache_key"], "shape": scan.native_shape, "pattern": scan.pattern,
+                               "spacing": [None if math.isnan(v) else round(v, 9) for v in scan.spacing or ()],
+                               "flips": scan.flips}, 20)
+
+
+def _kept_volume(row: dict, key: str, cache_root: str) -> dict | None:
+    """The cached volume's own record when it was made from this very reading (its scan key), else None."""
+    if row.get("prior_scan_key") != key:
+        return None
+    attrs = store.read_attrs(cache_root, volume_path(row["relpath"]))
+    if not attrs or attrs.get("scan_key") != key or attrs.get("status") != "ok":
+        return None
+    return {k: attrs.get(k) for k in VOLUME_NAMES if k in attrs and k not in ("reading_key", "total_s")}
 
 
 def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> bytes:
@@ -116,29 +111,32 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
                 raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
         t1 = time.perf_counter()
         header = read_header(data, max_voxels=cfg.preprocess.max_voxels, accept_any_sop=cfg.preprocess.accept_any_sop)
-        scan = describe_scan(row, header)
-        out.update({k: scan[k] for k in ("protocol", "scan_pattern", "field_mm")}, native_shape=scan["native_shape"],
-                   transfer_syntax=str(header.ds.file_meta.TransferSyntaxUID), protocol_mismatch=scan["mismatch"])
-        reason = cfg.select.skip_reason({**row, **scan})
+        scan = scans.describe(header, row, cfg.preprocess.geometry, cfg.preprocess.orientation)
+        out.update(protocol=scan.protocol, protocol_by=scan.protocol_by, scan_pattern=scan.pattern,
+                   field_mm=scan.field_mm, native_shape=scan.native_shape, geometry_warning=scan.geometry_warning,
+                   transfer_syntax=str(header.ds.file_meta.TransferSyntaxUID), protocol_mismatch=scan.mismatch,
+                   reading_key=row.get("reading_key") or scans.reading_key())
+        reason = cfg.select.skip_reason({**row, **out})
         if reason is not None:  # decided by the header: no pixel decoded
             out.update(status="skipped", skip_reason=reason, error=None, volume=None,
                        total_s=round(time.perf_counter() - t0, 4))
             return out
+        out["scan_key"] = scan_key(row, scan)
+        kept = _kept_volume(row, out["scan_key"], cache_root)
+        if kept:  # re-read after the reading code changed, and read the same: the volume stands
+            return {**out, **kept, "total_s": round(time.perf_counter() - t0, 4)}
         vol = decode_pixels(header, data, cfg.preprocess.decoder)
         del data
         t2 = time.perf_counter()
-        text = " ".join(str(v or "") for v in (scan["protocol"], row.get("imaging"), row.get("anatomic_region"),
-                                                os.path.basename(row["relpath"])))
-        flip = prep.flip_axes(row.get("device"), text, cfg.preprocess.orientation, geometry.raster_flips(header.traces))
-        res = prep.preprocess(vol.pixels, cfg.preprocess, flip, scan["spacing"])
+        res = prep.preprocess(vol.pixels, cfg.preprocess, scan.flips, scan.spacing)
         arr = res.volume
         t3 = time.perf_counter()
         out.update({
             "status": "ok", "error": None, "volume": volume_path(row["relpath"]),
             "shape": list(arr.shape), "lo": res.lo, "hi": res.hi,
             "spacing_mm": res.spacing_mm, "crop_pad": res.crop_pad,
-            "native_spacing_mm": list(vol.spacing_mm) if vol.spacing_mm else None,
-            "flipped_axes": flip, "bits_stored": vol.bits_stored,
+            "native_spacing_mm": [v if v > 0 else None for v in vol.spacing_mm] if vol.spacing_mm else None,
+            "flipped_axes": scan.flips, "flipped": scan.flipped, "bits_stored": vol.bits_stored,
             "decode_s": round(t2 - t1, 4), "preprocess_s": round(t3 - t2, 4),
         })
         if not row.get("sop_instance_uid"):  # unlisted files: the header's UID, so duplicates show

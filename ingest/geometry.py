@@ -20,6 +20,7 @@ import numpy as np
 
 from manifests.protocols import LINE, RADIAL, RASTER
 
+AXES = ("across frames", "in depth", "along B-scans")   # a volume's axes 0, 1, 2 (frames, rows, columns), in words
 PARALLEL_SIN = 0.05       # lines within about 3 degrees count as parallel
 SAME_LINE = 0.01          # offsets within 1% of a line's length count as one position
 CENTRE_SPREAD = 0.15      # radial: every midpoint within 15% of a line's length of their mean
@@ -78,6 +79,22 @@ def scan_pattern(traces: list[np.ndarray] | None) -> str | None:
     if sin.max() >= PARALLEL_SIN and spread < CENTRE_SPREAD * length:
         return RADIAL
     return None
+
+
+def raster_aspect(traces: list[np.ndarray] | None) -> float | None:
+    """A raster's extent across frames over its length along B-scans, in the localizer's own units
+    (so unit-free: the localizer's pixel size is not in the file). First to last line span n - 1
+    frame steps, scaled to n as the header's spacing x frames is. None when not a raster."""
+    if scan_pattern(traces) != RASTER:
+        return None
+    lines = _lines(traces)
+    vec = lines[:, 1] - lines[:, 0]
+    length = float(np.median(np.linalg.norm(vec, axis=1)))
+    unit = vec[0] / np.linalg.norm(vec[0])
+    mid = lines.mean(axis=1)
+    across = abs(float((mid[-1] - mid[0]) @ np.array([-unit[1], unit[0]])))
+    n = len(lines)
+    return across * n / (n - 1) / length if n > 1 and length > 0 and across > 0 else None
 
 
 def raster_flips(traces: list[np.ndarray] | None) -> list[int]:

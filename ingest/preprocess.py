@@ -18,11 +18,14 @@ import math
 import numpy as np
 
 from ingest.dicom import BadInput
+from ingest.geometry import AXES
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
 CODE_VERSION = "4"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store);
 # 4: raster volumes flipped by their frames' traces on the localizer (ingest/geometry.py)
 RESAMPLE_MODES = ("grid", "spacing")
+GEOMETRY_SOURCES = ("published", "header")   # which witness of a scan's extent the resample believes (ingest/scan.py)
+MIN_FILL = 0.5   # resample: spacing: a file must fill at least this fraction of the target along every axis
 
 
 @dataclasses.dataclass
@@ -38,6 +41,9 @@ class PreprocessConfig:
     target_shape: tuple[int, int, int] = (64, 384, 384)   # D, H, W
     resample: str = "grid"                                 # grid | spacing (module docstring)
     spacing_mm: tuple[float, float, float] = (0.1, 0.006, 0.02)  # resample: spacing: voxel size D, H, W
+    # the extent a scan's voxel size comes from where its witnesses disagree: the protocol's published field
+    # (the header where none is published) or the header's spacing (ingest/scan.py)
+    geometry: str = "published"
     percentiles: tuple[float, float] = (1.0, 99.0)
     window_samples: int = 1_000_000                        # voxels in the strided subsample
     decoder: str = "auto"                                  # auto | gdcm | pylibjpeg | pillow
@@ -52,6 +58,8 @@ class PreprocessConfig:
 
         if self.resample not in RESAMPLE_MODES:
             raise FieldError("resample", f"{self.resample!r} is not one of {list(RESAMPLE_MODES)}")
+        if self.geometry not in GEOMETRY_SOURCES:
+            raise FieldError("geometry", f"{self.geometry!r} is not one of {list(GEOMETRY_SOURCES)}")
         if len(self.spacing_mm) != 3 or min(self.spacing_mm) <= 0:
             raise FieldError("spacing_mm", f"{list(self.spacing_mm)}: three voxel sizes in mm (D, H, W), each > 0")
 
@@ -258,17 +266,6 @@ def level_agreement(new: np.ndarray, ref: np.ndarray) -> tuple[float, int]:
     return float((diff <= 1).mean()), int(diff.max())
 
 
-def flip_axes(device: str | None, protocol: str, rules: list[FlipRule], traced: list[int] = ()) -> list[int]:
-    """Axes to reverse: those the frames' traces give (`traced`, ingest/geometry.py), then the
-    configured rules for this device and protocol (each reverses its axes again)."""
-    axes: set[int] = set(traced)
-    text = protocol.lower()
-    for rule in rules:
-        if rule.device == device and rule.match.lower() in text:
-            axes ^= set(rule.axes)
-    return sorted(axes)
-
-
 @dataclasses.dataclass
 class Resampled:
     volume: np.ndarray            # uint8 at target_shape
@@ -285,10 +282,17 @@ def axis_plans(shape, spacing, cfg: PreprocessConfig) -> tuple[tuple[AxisPlan, .
         return (tuple(grid_axis(n, t) for n, t in zip(shape, target)),
                 output_spacing(spacing, shape, target), None)
     if spacing is None or any(not (s > 0) for s in spacing):  # NaN too
-        raise BadInput(f"no voxel size for axis {[i for i, s in enumerate(spacing or (0, 0, 0)) if not (s > 0)]}: "
-                       "the header gives no spacing there, so it cannot be resampled to spacing_mm "
-                       "(config key preprocess.resample: grid stretches it instead)")
+        missing = [AXES[i] for i, s in enumerate(spacing or (0, 0, 0)) if not (s > 0)]
+        raise BadInput(f"no voxel size {' or '.join(missing)}: neither the header nor the protocol's published "
+                       "field gives one, so it cannot be resampled to spacing_mm (config key preprocess.resample: "
+                       "grid stretches it instead)")
     plans = tuple(spacing_axis(n, s, o, t) for n, s, o, t in zip(shape, spacing, cfg.spacing_mm, target))
+    for axis, (n, s, o, t) in enumerate(zip(shape, spacing, cfg.spacing_mm, target)):
+        filled = min(t, max(1, round(n * s / o)))
+        if filled < MIN_FILL * t:
+            raise BadInput(f"geometry: the data would fill {filled} of the {t} voxels {AXES[axis]} ({n * s:.3g} mm at "
+                           f"{o:g} mm a voxel), the rest padding (config keys preprocess.spacing_mm, "
+                           "preprocess.target_shape; preprocess.geometry chooses the witness of the field)")
     return plans, [float(v) for v in cfg.spacing_mm], [p.crop_pad for p in plans]
 
 
@@ -306,8 +310,9 @@ def preprocess(pixels: np.ndarray, cfg: PreprocessConfig, flip: list[int] = (),
     return Resampled(out, lo, hi, out_spacing, crop_pad)
 
 
-def output_spacing(native_spacing, native_shape, target_shape) -> list[float] | None:
-    """Voxel size after resampling: the physical extent is kept."""
+def output_spacing(native_spacing, native_shape, target_shape) -> list[float | None] | None:
+    """Voxel size after resampling (the physical extent is kept); None on an axis whose spacing is
+    not known (never NaN: strict JSON readers of the OME metadata refuse it)."""
     if native_spacing is None:
         return None
-    return [float(s) * n / t for s, n, t in zip(native_spacing, native_shape, target_shape)]
+    return [float(s) * n / t if s > 0 else None for s, n, t in zip(native_spacing, native_shape, target_shape)]

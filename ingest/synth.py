@@ -1,13 +1,16 @@
 """A synthetic AI-READI-shaped OCT dataset for the demo and the tests.
 
-The retinal phantom's volumes (ingest/phantom.py) written as OPT multi-frame DICOM in the release's
-scan protocols (manifests/protocols.py: their shapes scaled down by `scale`, Protocol Name, each
-frame's trace on the localizer, file names as the release spells them), with participants.tsv,
-manifest.tsv and, for the learning-check cohorts, the lesions' answer key. Each participant has
-their device's main raster protocol for both eyes; Spectralis participants also a radial disc scan
-(a scan that is no volume); `protocols="all"` adds every other protocol of the device. Includes a
-JPEG 2000 device, both spacing layouts, the bad files real buckets contain, and the layouts users
-hold: as released, zipped per device, or repacked as one research group packs its bucket.
+The retinal phantom's volumes (ingest/phantom.py) written as OPT multi-frame DICOM the way AI-READI's
+converters write the release's scan protocols (manifests/protocols.py; docs/data.md, "Scan protocols"):
+their shapes scaled down by `scale`, the converters' file names and Protocol Names (Zeiss's on Cirrus),
+spacing in the shared functional groups (per frame on the radial scan), Cirrus's Slice Thickness
+overwritten with the column spacing, each frame's trace on the localizer, and the Spectralis OCTA cube
+written with its frames reversed and no traces, as AI-READI documents it. With participants.tsv,
+manifest.tsv and, for the learning-check cohorts, the lesions' answer key. Each participant has their
+device's main raster protocol for both eyes; Spectralis participants also a radial disc scan (a scan
+that is no volume); `protocols="all"` adds every other protocol of the device; `others` each scan's
+flow cube and infrared photo. Includes a JPEG 2000 device, the bad files real buckets contain, and the
+layouts users hold: as released, zipped per device, or repacked as one research group packs its bucket.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ from tqdm import tqdm
 # LESION_EDGE is not used here: check/token_probe.py reads it as synth.LESION_EDGE
 from ingest.phantom import (LESION_COLUMNS, LESION_EDGE, Eye, VolumeDraws, draw_volume, lesion_table,  # noqa: F401
                             render_volume, sample_eye)
-from manifests import protocols
 from manifests.aireadi import SITES, STUDY_GROUPS
 from manifests.protocols import PROTOCOLS, RADIAL, Protocol
 from octfm import cli, procs
@@ -49,26 +51,28 @@ class DeviceSpec:
     manufacturer: str
     model: str
     short: str
-    per_frame_spacing: bool = False      # spacing in per-frame instead of shared groups
     compress: str | None = None          # transfer syntax to write
+    # AI-READI's Cirrus converter overwrites Slice Thickness with the column spacing (docs/data.md, "Scan protocols")
+    thickness_is_column_spacing: bool = False
 
 
 DEVICES = {
     d.name: d for d in (
         DeviceSpec("heidelberg_spectralis", (61, 496, 768), (0.1200, 0.0039, 0.0114), "Heidelberg Engineering",
-                   "Spectralis", "spectralis", per_frame_spacing=True),
-        DeviceSpec("topcon_maestro2", (128, 885, 512), (0.0469, 0.0026, 0.0117), "Topcon", "Maestro2", "maestro2",
-                   per_frame_spacing=True),
+                   "Spectralis", "spectralis"),
+        DeviceSpec("topcon_maestro2", (128, 885, 512), (0.0469, 0.0026, 0.0117), "Topcon", "Maestro2", "maestro2"),
         DeviceSpec("topcon_triton", (256, 992, 512), (0.0469, 0.0026, 0.0234), "Topcon", "Triton", "triton"),
         DeviceSpec("zeiss_cirrus", (128, 1024, 512), (0.0469, 0.0020, 0.0117), "Carl Zeiss Meditec", "Cirrus HD-OCT 5000",
-                   "cirrus", compress=JPEG2000Lossless),
+                   "cirrus", compress=JPEG2000Lossless, thickness_is_column_spacing=True),
     )
 }
+OCTA_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.8"    # OCT B-scan Volume Analysis: an OCTA flow cube
+PHOTO_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.1"   # Ophthalmic Photography 8 Bit
 LESION_TABLE = "lesions.tsv"  # at the cohort's root: where every lesion sits (phantom.lesion_table)
 # each device's main raster protocol: every participant has it, both eyes (its shape is the device's above)
 MAIN_PROTOCOL = {
     "heidelberg_spectralis": "spectralis ppol mac hr oct", "topcon_maestro2": "maestro2 3d macula oct",
-    "topcon_triton": "triton 3d(h)+radial 12x9 oct", "zeiss_cirrus": "cirrus mac cube 512x128 oct",
+    "topcon_triton": "triton 3d radial oct", "zeiss_cirrus": "cirrus mac oct",
 }
 RADIAL_PROTOCOL = "spectralis onh rc hr oct"  # every Spectralis participant's right eye: skipped by `make cache`
 LOCALIZER_MM = 0.0115  # mm per pixel of the notional localizer image the frames' traces are drawn on
@@ -86,6 +90,13 @@ def native_spacing(spec: DeviceSpec, protocol: Protocol) -> tuple[float, float, 
     f, _, c = protocol.shapes[0]
     across, along = protocol.field_mm
     return (across / f if across else spec.spacing[0], spec.spacing[1], along / c if along else spec.spacing[2])
+
+
+def has_traces(protocol: Protocol) -> bool:
+    """Whether release files of this protocol carry their frames' traces (Ophthalmic Frame Location): AI-READI's
+    converters write or copy them for every protocol but Spectralis OCTA, Heidelberg's own export, whose traces
+    no public file shows; the generator leaves them out there, so its documented reversal is what orients it."""
+    return not protocol.frames_reversed
 
 
 def localizer_traces(protocol: Protocol, frames: int, cols: int, spacing, reverse: bool = False) -> list[list[float]]:
@@ -107,21 +118,36 @@ def localizer_traces(protocol: Protocol, frames: int, cols: int, spacing, revers
     return [[round(v, 3) for v in t] for t in out]
 
 
-def _functional_group(spacing: tuple[float, float, float]) -> Dataset:
+def _functional_group(spacing: tuple[float, float, float], thickness: bool = True) -> Dataset:
     pm = Dataset()
     pm.PixelSpacing = [f"{spacing[1]:.6g}", f"{spacing[2]:.6g}"]
-    pm.SliceThickness = f"{spacing[0]:.6g}"
+    if thickness:
+        pm.SliceThickness = f"{spacing[0]:.6g}"
     fg = Dataset()
     fg.PixelMeasuresSequence = DicomSequence([pm])
     return fg
 
 
-def tsv_spacing(spec: DeviceSpec) -> dict[str, str]:
-    """manifest.tsv's pixel_spacing and slice_thickness strings, with the non-numeric values
-    real exports carry ("Varies by frame" where spacing is per frame, "Not reported")."""
-    f, r, c = spec.spacing
-    return {"pixel_spacing": "Varies by frame" if spec.per_frame_spacing else f"{r:g}\\{c:g}",
-            "slice_thickness": "Not reported" if spec.compress else f"{f:g}"}
+def header_spacing(spec: DeviceSpec, spacing: tuple[float, float, float]) -> tuple[float, float, float]:
+    """The (frame, row, col) spacing a release header states: the true one, but on Cirrus, whose converter
+    overwrites Slice Thickness with the column spacing."""
+    return (spacing[2], spacing[1], spacing[2]) if spec.thickness_is_column_spacing else tuple(spacing)
+
+
+def per_frame_spacing(protocol: Protocol) -> bool:
+    """Spectralis's radial scans keep Pixel Spacing per frame, without Slice Thickness; every other
+    protocol has both in the shared functional groups (docs/data.md, "Scan protocols")."""
+    return protocol.pattern == RADIAL
+
+
+def tsv_spacing(spec: DeviceSpec, protocol: Protocol, spacing) -> dict[str, str]:
+    """manifest.tsv's pixel_spacing and slice_thickness strings as AI-READI's metadata step writes them: the
+    shared functional groups' values (Cirrus's overwritten thickness included), "Varies by frame" and "Not
+    reported" where spacing is per frame."""
+    f, r, c = header_spacing(spec, spacing)
+    if per_frame_spacing(protocol):
+        return {"pixel_spacing": "Varies by frame", "slice_thickness": "Not reported"}
+    return {"pixel_spacing": f"{r:g}\\{c:g}", "slice_thickness": f"{f:g}"}
 
 
 def _frame_location(trace: list[float]) -> Dataset:
@@ -133,16 +159,18 @@ def _frame_location(trace: list[float]) -> Dataset:
 
 def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float, float], *,
                  participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str,
-                 protocol_name: str | None = None, traces: list[list[float]] | None = None) -> Dataset:
+                 protocol_name: str | None = None, traces: list[list[float]] | None = None,
+                 per_frame: bool = False, sop_class: str = OPT_SOP_CLASS) -> Dataset:
     """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed; with
-    Protocol Name and each frame's Ophthalmic Frame Location when given."""
+    Protocol Name and each frame's Ophthalmic Frame Location when given. `spacing` is what the
+    header states: in the shared functional groups, or each frame's without Slice Thickness (`per_frame`)."""
     meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = OPT_SOP_CLASS
+    meta.MediaStorageSOPClassUID = sop_class
     meta.MediaStorageSOPInstanceUID = sop_uid
     meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds = Dataset()
     ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID = OPT_SOP_CLASS, sop_uid
+    ds.SOPClassUID, ds.SOPInstanceUID = sop_class, sop_uid
     ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
     ds.Modality = "OPT"
     ds.PatientID = participant
@@ -156,13 +184,13 @@ def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float,
     ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
     if protocol_name:
         ds.ProtocolName = protocol_name
-    per_frame = [_functional_group(spacing) if spec.per_frame_spacing else Dataset() for _ in range(vol.shape[0])]
-    if not spec.per_frame_spacing:
+    groups = [_functional_group(spacing, thickness=False) if per_frame else Dataset() for _ in range(vol.shape[0])]
+    if not per_frame:
         ds.SharedFunctionalGroupsSequence = DicomSequence([_functional_group(spacing)])
-    for group, trace in zip(per_frame, traces or ()):
+    for group, trace in zip(groups, traces or ()):
         group.OphthalmicFrameLocationSequence = DicomSequence([_frame_location(trace)])
-    if spec.per_frame_spacing or traces:
-        ds.PerFrameFunctionalGroupsSequence = DicomSequence(per_frame)
+    if per_frame or traces:
+        ds.PerFrameFunctionalGroupsSequence = DicomSequence(groups)
     ds.PixelData = np.ascontiguousarray(vol).tobytes()
     return ds
 
@@ -195,6 +223,9 @@ class SynthConfig:
     protocols: str = "main"      # main: each device's main raster protocol (+ the Spectralis radial scan); all: every one
     reversed: tuple[str, ...] = ()  # protocols whose frames are written bottom to top (their traces say so)
     placeholders: bool = False   # tables and empty files only (no pixels): load tests of listing and manifest
+    # each OCT scan's sibling files as AI-READI releases them: a flow cube (retinal_octa/flow_cube/) and an infrared
+    # localizer photo (retinal_photography/ir/), named for the same protocol; in a repacked bucket's ZIP beside the OCT
+    others: bool = False
 
     def __post_init__(self):
         if self.zipped:
@@ -251,13 +282,16 @@ class VolumeJob:
 
     def dataset(self) -> Dataset:
         vol = render_volume(self.shape, self.draws, self.laterality, self.label, self.signal, self.eye)
-        if self.reverse:
+        reverse = self.reverse or self.protocol.frames_reversed
+        if reverse:
             vol = vol[::-1].copy()
-        traces = localizer_traces(self.protocol, self.shape[0], self.shape[2], self.spacing, self.reverse)
-        return make_dataset(vol, self.spec, self.spacing, participant=self.pid, laterality=self.laterality,
-                            sop_uid=self.uid, study_uid=self.study_uid,
+        traces = (localizer_traces(self.protocol, self.shape[0], self.shape[2], self.spacing, reverse)
+                  if has_traces(self.protocol) else None)
+        return make_dataset(vol, self.spec, header_spacing(self.spec, self.spacing), participant=self.pid,
+                            laterality=self.laterality, sop_uid=self.uid, study_uid=self.study_uid,
                             series_uid=generate_uid(entropy_srcs=[self.uid, "series"]),
-                            protocol_name=self.protocol.header_name, traces=traces)
+                            protocol_name=self.protocol.header_name, traces=traces,
+                            per_frame=per_frame_spacing(self.protocol))
 
 
 def _write_job(job: VolumeJob, path: Path, compress: str | None) -> None:
@@ -326,13 +360,13 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
     rng = np.random.default_rng(cfg.seed)
     people = _participants(cfg)
     people.to_csv(out / "participants.tsv", sep="\t", index=False)
-    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "radial": 0, "protocols": collections.Counter()}
+    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "radial": 0, "others": 0, "protocols": collections.Counter()}
     lesion_rows: list[dict] = []
     device_names = list(DEVICES)
     study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
 
     def add_file(pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
-                 protocol: Protocol) -> str:
+                 protocol: Protocol, spacing) -> str:
         rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
         if data is not None:
             path = out / rel
@@ -342,7 +376,7 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
             "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
             "anatomic_region": protocol.region, "imaging": "OCT", "laterality": lat.upper(),
             "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
-            **tsv_spacing(spec), "sop_instance_uid": sop_uid,
+            **tsv_spacing(spec, protocol, spacing), "sop_instance_uid": sop_uid,
             "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
         })
         return rel
@@ -355,16 +389,16 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
         spacing = tuple(s * n / m for s, n, m in zip(native_spacing(spec, protocol), native, shape))
         uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{uid_tag}"])
         if cfg.placeholders:
-            return None, shape, uid
+            return None, shape, uid, spacing
         r = vol_rng or rng
         eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
         job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye,
                         protocol.name in cfg.reversed, uid, study_uid, protocol)
-        return job, shape, uid
+        return job, shape, uid, spacing
 
     def volume_dataset(pid, spec, lat, label):
-        job, shape, uid = volume_job(pid, spec, lat, label, PROTOCOLS[MAIN_PROTOCOL[spec.name]])
-        return job.dataset(), shape, uid
+        job, shape, uid, spacing = volume_job(pid, spec, lat, label, PROTOCOLS[MAIN_PROTOCOL[spec.name]])
+        return job.dataset(), shape, uid, spacing
 
     with _Writer(default_workers(cfg) if workers is None else workers) as writer:
         for i, row in tqdm(people.iterrows(), total=len(people), desc="cohort", unit="participant",
@@ -376,9 +410,11 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
             # device says nothing about the label (a probe must not score by recognising scanners)
             spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
             for protocol, lat, vol_rng, uid_tag in _scans(cfg, spec, i):
-                job, shape, uid = volume_job(pid, spec, lat, label, protocol, vol_rng, uid_tag)
-                name = f"{pid}_{protocol.file_id}_{lat.lower()}_{uid}.dcm"
-                rel = add_file(pid, spec, lat, name, b"" if job is None else None, shape, uid, protocol)
+                job, shape, uid, spacing = volume_job(pid, spec, lat, label, protocol, vol_rng, uid_tag)
+                rel = add_file(pid, spec, lat, protocol.file_name(pid, lat, uid), b"" if job is None else None, shape,
+                               uid, protocol, spacing)
+                if cfg.others and job is not None:
+                    counts["others"] += _write_other_modalities(out, spec, protocol, pid, lat, uid)
                 if job is not None:
                     writer.submit(job, out / rel, compression(spec, protocol, shape))
                     if protocol.pattern != RADIAL:  # the lesions' answer key covers the volumes
@@ -400,6 +436,26 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
     elif cfg.layout == "repack":
         counts["archives"] = repack_layout(out)
     return counts
+
+
+OTHER_MODALITIES = {"flow_cube": ("retinal_octa/flow_cube", OCTA_SOP_CLASS, (4, 16, 16)),
+                    "ir": ("retinal_photography/ir", PHOTO_SOP_CLASS, (1, 32, 32))}
+
+
+def _write_other_modalities(out: Path, spec: DeviceSpec, protocol: Protocol, pid: str, lat: str, uid: str) -> int:
+    """An OCT scan's sibling files (small: only their names, classes and places matter), named as AI-READI's
+    converters name them: `<pid>_<id>_<submodality>_<l|r>_<uid>.dcm`. Returns how many were written."""
+    for k, (sub, (folder, sop_class, shape)) in enumerate(OTHER_MODALITIES.items()):
+        sibling = generate_uid(entropy_srcs=[uid, sub])
+        vol = np.full(shape, 40 + 20 * k, np.uint8)
+        ds = make_dataset(vol, spec, (0.05, 0.01, 0.01), participant=pid, laterality=lat, sop_uid=sibling,
+                          study_uid=uid, series_uid=generate_uid(entropy_srcs=[sibling]),
+                          protocol_name=protocol.header_name, sop_class=sop_class)
+        ds.Modality = "OPT" if sop_class == OCTA_SOP_CLASS else "OP"
+        path = out / folder / spec.name / pid / f"{pid}_{protocol.file_id}_{sub}_{lat.lower()}_{sibling}.dcm"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(dicom_bytes(ds))
+    return len(OTHER_MODALITIES)
 
 
 def compression(spec: DeviceSpec, protocol: Protocol, shape) -> str | None:
@@ -457,21 +513,27 @@ def repack_layout(root: str | Path) -> int:
     participants.tsv at the root, and one ZIP per device at <root>/<device>/<device>.zip whose members
     are <participant>/<file> (the manifest's filepath keeps the release's form, so no row is at its
     path: `make manifest` finds them by file name). One device's members are written `./<participant>/...`,
-    as some archivers name them. Returns the number of archives written."""
+    as some archivers name them. A device's other modalities (flow cubes, photographs: `others`) go into
+    its archive beside the OCT files, as a group that zipped a scanner's whole export would hold them.
+    Returns the number of archives written."""
     root = Path(root)
     oct_root = root / "retinal_oct" / "structural_oct"
+    others = [root / folder for folder, _, _ in OTHER_MODALITIES.values()]
     n = 0
     for k, dev in enumerate(sorted(p for p in oct_root.iterdir() if p.is_dir())):
         (root / dev.name).mkdir()
         prefix = "./" if k == 0 else ""
+        files = [*dev.rglob("*.dcm"), *(f for o in others for f in (o / dev.name).rglob("*.dcm"))]
         with zipfile.ZipFile(root / dev.name / f"{dev.name}.zip", "w") as zf:
-            for f in sorted(dev.rglob("*.dcm")):
+            for f in sorted(files, key=lambda f: (f.parent.name, f.name)):
                 info = zipfile.ZipInfo(f"{prefix}{f.parent.name}/{f.name}", date_time=ZIP_DATE)
                 info.compress_type = zipfile.ZIP_STORED
                 zf.writestr(info, f.read_bytes())
         n += 1
     (root / "retinal_oct" / "manifest.tsv").rename(root / "manifest.tsv")
     shutil.rmtree(root / "retinal_oct")
+    for folder in {o.relative_to(root).parts[0] for o in others}:
+        shutil.rmtree(root / folder, ignore_errors=True)
     return n
 
 
@@ -479,11 +541,11 @@ def _add_bad_files(pid: str, add_file, volume_dataset, counts: dict) -> None:
     """The failure modes real buckets show, each listed in manifest.tsv."""
     spec = DEVICES["topcon_triton"]
     protocol = PROTOCOLS[MAIN_PROTOCOL[spec.name]]
-    ds, shape, uid = volume_dataset(pid, spec, "R", 0)
+    ds, shape, uid, spacing = volume_dataset(pid, spec, "R", 0)
     good = dicom_bytes(ds)
 
     def bad(kind: str, data: bytes | None, k: int) -> None:
-        add_file(pid, spec, "R", f"{pid}_triton_bad_{kind}.dcm", data, shape, f"{uid}.{k}", protocol)
+        add_file(pid, spec, "R", f"{pid}_triton_bad_{kind}.dcm", data, shape, f"{uid}.{k}", protocol, spacing)
 
     bad("truncated", good[: int(len(good) * 0.6)], 1)
     nopix = copy.deepcopy(ds)
@@ -521,6 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layout", choices=LAYOUTS, default="plain",
                     help="plain: as released; zipped: per-device ZIP archives in the device folders (<device>/part1.zip, "
                          "members <participant>/<file>); repack: tables at the root, <root>/<device>/<device>.zip")
+    ap.add_argument("--other-modalities", action="store_true",
+                    help="each OCT scan's flow cube and infrared photo beside it, as the release holds them "
+                         "(in a repacked bucket, in the device's ZIP): `make manifest` ignores and counts them")
     ap.add_argument("--protocols", choices=("main", "all"), default="main",
                     help="main: each device's main raster protocol, both eyes, and a radial disc scan per Spectralis "
                          "participant; all: every protocol of the release on each participant's device")
@@ -531,12 +596,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       lesion_size=a.lesion_size, layers=a.layers, unlabeled=a.unlabeled,
                       bad_files=not a.no_bad_files, split_column=not a.no_split_column,
                       id_column="person_id" if a.person_id else "participant_id",
-                      layout="zipped" if a.zipped else a.layout, protocols=a.protocols)
+                      layout="zipped" if a.zipped else a.layout, protocols=a.protocols, others=a.other_modalities)
     counts = generate(a.out, cfg, progress=True)
     n_bytes = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
     layout = f"; {cfg.layout} layout, {counts['archives']} ZIP archives" if cfg.layout != "plain" else ""
     print(f"synth: wrote {a.out}: {counts['good']} good files in {len(counts['protocols'])} protocols "
-          f"({counts['radial']} radial scans), {counts['bad']} bad files, {counts['missing']} listed but missing"
+          f"({counts['radial']} radial scans), {counts['bad']} bad files, {counts['missing']} listed but missing, "
+          f"{counts['others']} of other modalities"
           f"{layout}; {n_bytes / 1e6:.1f} MB")
     return 0
 

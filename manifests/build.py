@@ -79,13 +79,19 @@ def _add_archive_members(root: str, zips: list[str], listing: dict) -> dict[str,
     return report
 
 
-def container(rel: str, info: dict) -> str | None:
-    """What holds a file, for telling the OCT data from the rest of a bucket: its archive, else
-    the folder above its participant folder (<device>/<participant>/<file>); None for a file
-    less deep than that (nothing to share with the OCT files)."""
-    if info["archive"]:
-        return info["archive"]
-    return posixpath.dirname(posixpath.dirname(rel)) if rel.count("/") >= 2 else None
+def oct_or_other(rel: str) -> str | None:
+    """None when an unlisted .dcm is structural OCT by its own path (under retinal_oct/) or name (a
+    release name whose submodality is `oct`), else what it is instead: the submodality its name gives
+    (flow_cube, enface, ir, ...) or "unknown". Never by what shares its archive or folder: a flow cube
+    or a photograph zipped beside OCT files is not OCT."""
+    name = posixpath.basename(rel)
+    other = protocols.other_modality(name)
+    if other:
+        return other
+    parsed = protocols.parse_file_name(name)
+    if rel.startswith(OCT_DIR + "/") or (parsed and parsed.submodality == protocols.STRUCTURAL):
+        return None
+    return "unknown"
 
 
 class Matcher:
@@ -124,13 +130,20 @@ class Matcher:
 
 
 def _absent_reason(rel: str, zips: dict[str, dict]) -> str:
-    """Why a manifest.tsv path is not in the listing: an unreadable archive in its folder
-    may hold it; otherwise it is missing."""
-    broken = [z for z, info in zips.items() if info["error"] and (rel + "/").startswith(posixpath.dirname(z) + "/")]
-    if broken:
-        return zips[broken[0]]["error"] + (f" (or one of {len(broken) - 1} other unreadable archive(s) here)"
-                                           if len(broken) > 1 else "")
-    return "missing: listed in manifest.tsv but not found in the dataset"
+    """Why a manifest.tsv path is not in the listing: an unreadable archive that may hold it (one in
+    its folder, or in a folder named for its scanner as a repacked bucket keeps them, or any, since a
+    row is also looked for by name), else missing."""
+    broken = [z for z, info in zips.items() if info["error"]]
+    if not broken:
+        return "missing: listed in manifest.tsv but not found in the dataset"
+    device = aireadi.device_from_path(rel)
+    near = [z for z in broken if (rel + "/").startswith(posixpath.dirname(z) + "/")] or \
+        [z for z in broken if device and device in z.split("/")[:-1]]
+    if near:
+        others = f" (or one of {len(near) - 1} other unreadable archive(s) there)" if len(near) > 1 else ""
+        return zips[near[0]]["error"] + others
+    return (f"missing: not found in the dataset; {len(broken)} unreadable archive(s) may hold it: "
+            + zips[broken[0]]["error"])
 
 
 def _clean(v):
@@ -222,13 +235,13 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
         row["manifest_error"] = error
         rows.append(row)
 
-    oct_containers = {container(f, listing[f]) for f in matcher.claimed} - {None}
-    ignored = []
+    ignored: dict[str, str] = {}
     for rel in sorted(listing):
         if rel in matcher.claimed or not rel.lower().endswith(".dcm"):
             continue
-        if not (rel.startswith(OCT_DIR + "/") or container(rel, listing[rel]) in oct_containers):
-            ignored.append(rel)  # another modality's DICOM (retinal_photography/, retinal_octa/, ...)
+        other = oct_or_other(rel)
+        if other:
+            ignored[rel] = other   # another modality's DICOM (retinal_octa/, retinal_photography/, ...)
             continue
         rows.append(_unlisted_row(rel, listing, mirror, base_row))
 
@@ -251,7 +264,8 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
         "warnings": warnings, "archives": _archive_summary(zips, listing, rows, set(matcher.claimed)),
         "tables": {"participants": p_uri, "oct_manifest": m_uri},
         "layout": _layout_name(found_by), "by_path": found_by["path"], "by_name": found_by["name"],
-        "not_found": found_by[None], "ignored": ignored,
+        "not_found": found_by[None], "ignored": sorted(ignored), "ignored_by": Counter(ignored.values()),
+        "protocol_by": Counter(r["protocol_by"] or "none" for r in rows if not r["manifest_error"]),
     }
     return rows, summary
 
@@ -266,9 +280,10 @@ def _layout_name(found_by: Counter) -> str:
 
 def _add_protocol(row: dict, file_name: str) -> None:
     """protocol, scan_pattern and field_mm as the file name and the published table give them;
-    `make cache` checks them against the header."""
+    `make cache` reads the header's witnesses too (ingest/scan.py)."""
     protocol = protocols.from_file_name(file_name)
     row["protocol"] = protocol
+    row["protocol_by"] = "name" if protocol else None
     row["scan_pattern"] = protocols.published_pattern(protocol)
     row["field_mm"] = protocols.published_field(protocol)
 
@@ -279,10 +294,15 @@ def _unlisted_row(rel: str, listing: dict, mirror: dict, base_row) -> dict:
     parts = rel.split("/")
     device = aireadi.device_from_path(rel)
     pid = parts[parts.index(device) + 1] if device and parts.index(device) + 1 < len(parts) - 1 else None
+    named = protocols.parse_file_name(posixpath.basename(rel))
+    if named:   # a release name says its participant, and its protocol says the scanner
+        pid = pid or named.participant
+        device = device or getattr(protocols.known(named.protocol), "device", None)
     if "::" in rel:  # an archive member whose name is unsafe: its folders mean nothing
         pid = None
     row = base_row(pid or "", rel, rel, rel)
-    row.update({"device": device, "listed": False, "laterality": None, "found_by": None})
+    row.update({"device": device, "listed": False, "found_by": None,
+                "laterality": named.laterality.upper() if named else None})
     _add_protocol(row, posixpath.basename(rel))
     _attach_listing(row, rel, listing, mirror)
     row["manifest_error"] = listing[rel]["error"] or (None if device else
@@ -338,8 +358,12 @@ def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
     print(f"manifest.tsv rows: {summary['by_path']} found at their path, {summary['by_name']} found by file name, "
           f"{summary['not_found']} not found")
     if summary["ignored"]:
-        print(f"note: {len(summary['ignored'])} .dcm file(s) outside the OCT data ignored (another modality?), e.g. "
-              + ", ".join(summary["ignored"][:3]))
+        kinds = ", ".join(f"{k} {v}" for k, v in summary["ignored_by"].most_common())
+        print(f"note: {len(summary['ignored'])} .dcm file(s) that are not structural OCT ignored ({kinds}: by their "
+              "path or name), e.g. " + ", ".join(summary["ignored"][:3]))
+    by = summary["protocol_by"]
+    print(f"protocol told by the file name: {by['name']} row(s); left to the header (Protocol Name, traces, shape): "
+          f"{by['none']}")
     print(cli.format_table(["device", "files"], sorted(((k or "unknown"), v) for k, v in summary["devices"].items())))
     print("splits: " + ", ".join(f"{k}={v}" for k, v in sorted((str(k), v) for k, v in summary["splits"].items())))
     if summary["resplit"]:
@@ -365,38 +389,6 @@ def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
         print(f"warning: {w}")
 
 
-def preview(rows: list[dict], cfg) -> dict:
-    """What `make cache` under `cfg` (a CacheConfig) will hold, before any file is read: per device and
-    protocol the files it will cache, those the header decides (pattern not known by name), and those
-    skipped; the bytes to read and to store (uint8 at the target shape, before compression)."""
-    per: dict = {}
-    read_bytes = 0
-    for r in rows:
-        if r["manifest_error"]:
-            continue
-        c = per.setdefault((r["device"] or "unknown", r["protocol"] or "unknown"), Counter())
-        if cfg.select.skip_reason(r, final=False):
-            c["skipped"] += 1
-            continue
-        c["cache" if r["scan_pattern"] else "header decides"] += 1
-        read_bytes += r["size"] or 0
-    volumes = sum(c["cache"] + c["header decides"] for c in per.values())
-    voxels = cfg.preprocess.target_shape[0] * cfg.preprocess.target_shape[1] * cfg.preprocess.target_shape[2]
-    return {"per": per, "volumes": volumes, "read_bytes": read_bytes, "stored_bytes": volumes * voxels,
-            "skipped": sum(c["skipped"] for c in per.values()), "target_shape": list(cfg.preprocess.target_shape),
-            "resample": cfg.preprocess.resample}
-
-
-def print_preview(p: dict, config_path: str) -> None:
-    kinds = ("cache", "header decides", "skipped")
-    print(f"make cache ({config_path}, resample: {p['resample']}) will hold:")
-    print(cli.format_table(["device", "protocol", *kinds],
-                           [(d, pr, *(c[k] for k in kinds)) for (d, pr), c in sorted(p["per"].items())]))
-    print(f"cache: up to {p['volumes']} volumes at {'x'.join(map(str, p['target_shape']))}: "
-          f"{p['stored_bytes'] / 1e9:.2f} GB as uint8 before compression; {p['read_bytes'] / 1e9:.2f} GB to read "
-          f"from the bucket; {p['skipped']} files skipped by select (configs/cache.yaml)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="make manifest", description=__doc__)
     ap.add_argument("--source", required=True, help="dataset root (local folder or gs://bucket/path)")
@@ -406,21 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "or <root>/ (make OCT_MANIFEST=...; a URI, an absolute path, or a path under the root)")
     ap.add_argument("--participants", default=None, help="participants.tsv when it is not at <root>/ or "
                     "<root>/retinal_oct/ (make PARTICIPANTS=...)")
-    ap.add_argument("--config", default="configs/cache.yaml", help="the cache config whose `select` and target shape "
-                    "the summary previews (make CONFIG=...)")
     ap.add_argument("--strict", action="store_true", help="exit 3 when any row cannot be cached")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of that config (as make cache's ARGS)")
     args = ap.parse_args(argv)
-    from cache.config import CacheConfig
-    from octfm import config
-
-    cfg = config.load(CacheConfig, args.config, args.overrides)
     t0 = time.perf_counter()
     options = sources_options(args.source, args.seed, args.oct_manifest, args.participants)
     rows, summary = build_sources(**options)
     write_sources(rows, args.out, options)
     print_summary(summary, args.out, args.source, time.perf_counter() - t0)
-    print_preview(preview(rows, cfg), args.config)
     return cli.strict_status(sum(summary["row_errors"].values()), args.strict)
 
 

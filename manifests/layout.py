@@ -131,10 +131,29 @@ def duplicate_uids(rows) -> dict[str, str]:
     return dups
 
 
+def one_row_per_file(table: pa.Table) -> pa.Table:
+    """A file in two manifest parts (shards split from sources.parquet files that differed) keeps one
+    row: its first ok one, else its first; each such file is named on stderr."""
+    rels = table["relpath"].to_pylist()
+    if len(set(rels)) == len(rels):
+        return table
+    keep: dict[str, dict] = {}
+    for r in table.to_pylist():
+        have = keep.get(r["relpath"])
+        if have is None or (have["status"] != "ok" and r["status"] == "ok"):
+            keep[r["relpath"]] = r
+    for rel in sorted({r for r in rels if rels.count(r) > 1}):
+        print(f"warning: {rel} is listed in two manifest parts (shards split from different sources.parquet "
+              f"files?): its {keep[rel]['status']} row kept", file=sys.stderr)
+    return schema.to_table(list(keep.values()), schema.CACHE_SCHEMA)
+
+
 def fail_cross_part_duplicates(table: pa.Table) -> pa.Table:
     """`make cache` fails a duplicate SOP instance UID (an unlisted file's header) only within
     its shard; read together, an ok row whose UID an ok row of another part holds fails here
-    too (the first relpath keeps the image), and each pair is named on stderr."""
+    too (the first relpath keeps the image), and each pair is named on stderr. A file listed in
+    two parts is one file, kept once (one_row_per_file), never a duplicate of itself."""
+    table = one_row_per_file(table)
     ok = table.filter(pa.compute.equal(table["status"], "ok")).select(["relpath", "sop_instance_uid"]).to_pylist()
     dups = duplicate_uids(ok)
     if not dups:

@@ -48,6 +48,7 @@ SOURCE_FIELDS = [
     # the scan (manifests/protocols.py): Protocol Name normalised, from the file name here and the header in the
     # cache manifest; raster | radial | line; the physical extent across frames, in depth, along columns (mm)
     pa.field("protocol", pa.string()),
+    pa.field("protocol_by", pa.string()),     # the witness that named the protocol: name | header | shape (null: none)
     pa.field("scan_pattern", pa.string()),
     pa.field("field_mm", pa.list_(pa.float64())),
 ]
@@ -64,6 +65,8 @@ CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("spacing_mm", pa.list_(pa.float64())),         # stored voxel size D, H, W
     pa.field("native_spacing_mm", pa.list_(pa.float64())),  # frame, row, col spacing
     pa.field("flipped_axes", pa.list_(pa.int32())),  # axes reversed to the common orientation
+    pa.field("flipped", pa.string()),          # what was reversed and which witness said so (null: nothing)
+    pa.field("geometry_warning", pa.string()),  # where the scan's witnesses disagree: each one's value, the one used
     pa.field("crop_pad", pa.list_(pa.int32())),  # resample: spacing: voxels padded (+) or cut (-) per axis to the shape
     pa.field("transfer_syntax", pa.string()),
     pa.field("bits_stored", pa.int32()),
@@ -73,6 +76,8 @@ CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("total_s", pa.float64()),
     pa.field("cache_key", pa.string()),
     pa.field("code_version", pa.string()),
+    pa.field("reading_key", pa.string()),      # the header-reading code's key (ingest/scan.py): a change re-reads
+    pa.field("scan_key", pa.string()),         # the cache key and the header's reading that made the volume
 ]
 
 

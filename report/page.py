@@ -147,8 +147,16 @@ def shape_rows(df: pd.DataFrame) -> list[list]:
     ok = df[df.status == "ok"]
     t = pd.DataFrame({"device": ok.device, "protocol": ok.protocol, "native": ok["native_shape"].map(shape_text),
                       "stored": ok["shape"].map(shape_text),
-                      "flipped": ok["flipped_axes"].map(lambda v: str([int(x) for x in v]) if v is not None else "[]")})
+                      "flipped": ok["flipped"].fillna("no")})
     return [[*k, int(n)] for k, n in t.groupby(list(t.columns), sort=True).size().items()]
+
+
+def geometry_rows(df: pd.DataFrame) -> list[list]:
+    """Per device and protocol: the rows whose witnesses disagree (ingest/scan.py), which witness named
+    the protocol, and one warning as an example."""
+    warned = df[df.geometry_warning.notna()]
+    return [[dev, protocol, len(g), ", ".join(f"{k} {v}" for k, v in g.protocol_by.fillna("none").value_counts().items()),
+             g.geometry_warning.iloc[0]] for (dev, protocol), g in warned.groupby(["device", "protocol"], sort=True)]
 
 
 def window_rows(df: pd.DataFrame) -> list[list]:
@@ -373,8 +381,13 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
     body.append(table(["device", "category", "files", "first reason", "first file"], fails, wide=(3, 4))
                 if fails else "<p>No failed rows.</p>")
     body.append("<h3>Native and stored shapes (ok rows)</h3>")
-    body.append(table(["device", "protocol", "native frames x rows x cols", "stored D x H x W", "flipped axes",
+    body.append(table(["device", "protocol", "native frames x rows x cols", "stored D x H x W", "flipped",
                        "files"], shape_rows(df)))
+    body.append("<h3>Geometry warnings: where a scan's header, published field and traces disagree</h3>")
+    geometry = geometry_rows(df)
+    stats["geometry_warnings"] = sum(r[2] for r in geometry)
+    body.append(table(["device", "protocol", "files", "protocol told by", "first warning"], geometry, wide=(4,))
+                if geometry else "<p>No warnings: every scan's witnesses agree.</p>")
     body.append("<h3>Physical scale (ok rows): the field, one stored voxel, and what resampling cut (-) or padded (+)</h3>")
     body.append(table(["device", "protocol", "field mm (frames x depth x columns)", "voxel um (D x H x W)",
                        "crop/pad voxels", "files"], scale_rows(df)))

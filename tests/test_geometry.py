@@ -30,9 +30,9 @@ def test_lines_repeated_at_one_place_or_a_single_frame_are_a_line_and_curves_are
 
 
 def test_flips_follow_the_traces_order_and_direction():
-    up = traces("cirrus mac cube 512x128 oct")
+    up = traces("cirrus mac oct")
     assert geometry.raster_flips(up) == []
-    assert geometry.raster_flips(traces("cirrus mac cube 512x128 oct", reverse=True)) == [0]
+    assert geometry.raster_flips(traces("cirrus mac oct", reverse=True)) == [0]
     right_to_left = [t[::-1] for t in up]
     assert geometry.raster_flips(right_to_left) == [2]
     assert geometry.raster_flips(traces("spectralis onh rc hr oct")) == []   # not a raster: left as it is
@@ -42,19 +42,28 @@ def test_flips_follow_the_traces_order_and_direction():
     ("1310_spectralis_ppol_mac_hr_oct_oct_l_1.3.6.1.4.1.33437.11.4.9341142.12984163237260.29264.4.1.dcm",
      "spectralis ppol mac hr oct"),                       # a released file name (doubled "oct")
     ("1001_maestro2_3d_macula_oct_l_2.16.840.1.1.dcm", "maestro2 3d macula oct"),
-    ("1001_maestro2_macula_6x6_oct_r_2.16.840.1.dcm", "maestro2 mac 6x6 octa"),
-    ("1001_triton_3d_radial_oct_oct_r_1.2.dcm", "triton 3d(h)+radial 12x9 oct"),
+    ("1001_maestro2_macula_6x6_oct_r_2.16.840.1.dcm", "maestro2 macula 6x6 octa"),   # an earlier converter's id
+    ("1001_triton_3d_radial_oct_oct_r_1.2.dcm", "triton 3d radial oct"),
+    ("1001_cirrus_mac_oct_oct_l_1.2.dcm", "cirrus mac oct"),                 # AI-READI's Cirrus ids
+    ("1001_cirrus_disc_oct_oct_r_1.2.dcm", "cirrus disc oct"),
+    ("1001_cirrus_macula_6x6_octa_oct_r_1.2.dcm", "cirrus macula 6x6 octa"),
+    ("1001_spectralis_mac_20x20_hs_octa_oct_l_1.2.dcm", "spectralis mac 20x20 hs octa"),
+    ("1001_maestro2_macula_6x6_octa_oct_l_1.2.dcm", "maestro2 macula 6x6 octa"),
+    ("1001_cirrus_mac_cube_512x128_oct_oct_l_1.2.dcm", "cirrus mac oct"),     # this project's earlier spelling
+    ("1001_spectralis_mac_20x20_hs_octa_flow_cube_l_1.2.dcm", None),          # the same scan's flow cube: not OCT
     ("1001_triton_bad_truncated.dcm", None), ("notes.dcm", None)])
 def test_protocols_are_read_from_release_file_names(name, want):
     assert protocols.from_file_name(name) == want
 
 
-def test_header_spellings_normalise_to_the_table():
-    assert protocols.normalise("Maestro2 Macula 6x6 OCTA") == "maestro2 mac 6x6 octa"
-    assert protocols.normalise("triton 3d radial oct") == "triton 3d(h)+radial 12x9 oct"
-    assert protocols.normalise("Some   Other_Protocol") == "some other protocol"   # unknown: kept, normalised
+def test_header_spellings_resolve_to_the_table():
+    assert protocols.lookup("Maestro2 Macula 6x6 OCTA") == "maestro2 macula 6x6 octa"
+    assert protocols.lookup("triton 3d(h)+radial 12x9 oct") == "triton 3d radial oct"
+    assert protocols.lookup("MAC-Macular Cube 512x128") == "cirrus mac oct"       # Zeiss's names stay in Cirrus headers
+    assert protocols.canonical("Some   Other_Protocol") == "some other protocol"   # unknown: kept, normalised
     for p in PROTOCOLS.values():
-        assert protocols.normalise(p.file_id) == protocols.normalise(p.header_name) == p.name
+        assert protocols.lookup(p.file_id) == protocols.lookup(p.header_name) == p.name
+        assert protocols.from_file_name(p.file_name("1001", "L", "1.2.3")) == p.name
 
 
 def test_spacing_mode_keeps_the_voxel_size_and_records_the_crop_and_pad():
@@ -96,6 +105,6 @@ def test_broken_or_degenerate_traces_never_fail_a_file():
     ds = Dataset()
     ds.PerFrameFunctionalGroupsSequence = Sequence([group, group])
     assert geometry.frame_traces(ds) is None
-    raster = traces("cirrus mac cube 512x128 oct")
+    raster = traces("cirrus mac oct")
     raster[0] = np.array([[10.0, 10.0], [10.0, 10.0]])
     assert geometry.scan_pattern(raster) == "raster" and geometry.raster_flips(raster) == []

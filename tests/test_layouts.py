@@ -118,7 +118,7 @@ def test_another_modalitys_dicoms_are_ignored_and_counted(tmp_path):
 
 
 def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
-    """A tree with all twelve protocols: raster volumes cached, every radial scan skipped with its
+    """A tree with all thirteen protocols: raster volumes cached, every radial scan skipped with its
     reason, nothing failed; protocol, scan_pattern and field_mm on every row, in both manifests."""
     root = tree(tmp_path, participants=4, protocols="all", reversed=("triton macula 12x12 octa",))
     src, _ = rows_by_relpath(root)
@@ -137,9 +137,14 @@ def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
     assert ok.field_mm.map(lambda f: f is not None and all(v > 0 for v in f)).all()
     wide = ok[ok.protocol == "maestro2 3d wide oct"].field_mm.iloc[0]
     assert wide[0] == pytest.approx(9.0) and wide[2] == pytest.approx(12.0)
-    flipped = ok[ok.protocol == "triton macula 12x12 octa"]
-    assert flipped.flipped_axes.map(list).map(lambda a: a == [0]).all()
-    assert (ok[ok.protocol != "triton macula 12x12 octa"].flipped_axes.map(len) == 0).all()
+    # reversed: the Triton cube by its traces (written bottom to top here), the Spectralis OCTA cube by AI-READI's
+    # documented rule (written reversed, without traces, as the generator writes it)
+    reversed_ = {"triton macula 12x12 octa": "its frames' traces", "spectralis mac 20x20 hs octa": "AI-READI's documented"}
+    for protocol, why in reversed_.items():
+        flipped = ok[ok.protocol == protocol]
+        assert flipped.flipped_axes.map(list).map(lambda a: a == [0]).all()
+        assert flipped.flipped.str.startswith("frames reversed").all() and flipped.flipped.str.contains(why).all()
+    assert (ok[~ok.protocol.isin(reversed_)].flipped_axes.map(len) == 0).all() and ok[~ok.protocol.isin(reversed_)].flipped.isna().all()
     for line in ("spectralis onh rc hr oct", "cirrus disc 6x6 octa", "skipped because"):
         assert line in r.stdout
 
@@ -216,12 +221,15 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
 
 def test_the_manifest_summary_previews_the_cache(tmp_path):
     root = tree(tmp_path, participants=4)
-    r = run_cli("manifests.build", "--source", root, "--out", str(tmp_path / "s.parquet"), SHAPE)
+    r = run_cli("manifests.build", "--source", root, "--out", str(tmp_path / "sources.parquet"))
     assert r.returncode == 0, r.stderr
     src, _ = rows_by_relpath(root)
+    assert "layout: as released" in r.stdout and f"{len(src)} found at their path" in r.stdout
+    assert f"protocol told by the file name: {len(src)} row(s)" in r.stdout
+    r = run_cli("cache.preview", "--cache", str(tmp_path), "--config", "configs/cache.yaml", SHAPE)   # make manifest's last step
+    assert r.returncode == 0, r.stderr
     n = (src.scan_pattern == "raster").sum()
     assert f"cache: up to {n} volumes at 8x32x32" in r.stdout and f"{(src.scan_pattern == 'radial').sum()} files skipped" in r.stdout
-    assert "layout: as released" in r.stdout and f"{len(src)} found at their path" in r.stdout
 
 
 def test_expand_writes_a_repacked_buckets_members_at_the_manifests_paths(tmp_path):
@@ -256,22 +264,23 @@ def test_a_skip_decided_by_name_leaves_the_header_to_decide_later(tmp_path):
 
 
 def test_a_header_name_the_table_does_not_know_keeps_the_file_names_protocol(tmp_path):
-    """Zeiss keeps its own Protocol Name in Cirrus headers: a name the table does not know leaves the file
-    name's known protocol, its published pattern and field, in place."""
+    """Zeiss keeps its own Protocol Name in Cirrus headers, which no public file shows: a name the table does
+    not know leaves the file name's known protocol, its published pattern and field, in place."""
     from cache.worker import process_row
     from ingest import phantom
     from manifests.protocols import PROTOCOLS
 
-    spec, protocol = synth.DEVICES["zeiss_cirrus"], PROTOCOLS["cirrus mac cube 512x128 oct"]
+    spec, protocol = synth.DEVICES["zeiss_cirrus"], PROTOCOLS["cirrus mac oct"]
     vol = phantom.make_volume((8, 64, 32), np.random.default_rng(3), "L")
     ds = synth.make_dataset(vol, spec, (0.75, 0.002, 0.1875), participant="1", laterality="L", sop_uid="1.2.3.9",
-                            study_uid="1.2", series_uid="1.2.4", protocol_name="Macular Cube 512x128")
-    path = tmp_path / f"1_{protocol.file_id}_l_1.2.3.9.dcm"
+                            study_uid="1.2", series_uid="1.2.4", protocol_name="Cube Scan of Another Name")
+    path = tmp_path / protocol.file_name("1", "L", "1.2.3.9")
     path.write_bytes(synth.dicom_bytes(ds))
     row = {"relpath": f"retinal_oct/structural_oct/zeiss_cirrus/1/{path.name}", "source": str(path), "cache_key": "k",
            "device": "zeiss_cirrus", "protocol": protocols.from_file_name(path.name)}
     out = process_row(row, config.to_dict(config.load(CacheConfig, None, [SHAPE])), str(tmp_path / "c"), "t")
     assert out["status"] == "ok" and out["protocol"] == protocol.name and out["scan_pattern"] == "raster", out
+    assert out["protocol_by"] == "name"
     assert out["field_mm"][0] == pytest.approx(6.0) and out["protocol_mismatch"] is None
 
 
