@@ -99,7 +99,7 @@ $(STAMP): pyproject.toml
 # The demo cohort: the lesion generator with its per-eye confounders, plus an easy class cue (inner
 # nuclear layer thickness, --signal) so a 150-step run's probes are above chance; cached small, on the grid
 # (the phantom's anatomy is drawn relative to the volume, not in mm: docs/data.md, "Resampling").
-DEMO_COHORT := --participants 40 --lesions 1 --signal 2
+DEMO_COHORT := --participants 40 --lesions 1 --signal 2 --other-modalities
 DEMO_SHAPE  := preprocess.target_shape=[32,128,128] preprocess.resample=grid
 
 demo: $(STAMP)

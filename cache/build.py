@@ -30,7 +30,8 @@ from manifests import layout, schema
 from octfm import cli, config, fsio, procs
 
 # the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
-OUTPUT_KEYS = ("target_shape", "resample", "spacing_mm", "percentiles", "window_samples", "orientation", "decoder")
+OUTPUT_KEYS = ("target_shape", "resample", "spacing_mm", "geometry", "percentiles", "window_samples", "orientation",
+               "decoder")
 
 
 def cache_key(row: dict, cfg: CacheConfig) -> str:

@@ -21,8 +21,9 @@ from ingest.dicom import BadInput
 from ingest.geometry import AXES
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
-CODE_VERSION = "4"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store);
-# 4: raster volumes flipped by their frames' traces on the localizer (ingest/geometry.py)
+CODE_VERSION = "5"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store);
+# 4: raster volumes flipped by their frames' traces on the localizer (ingest/geometry.py); 5: a scan's geometry
+# and orientation from all its witnesses (ingest/scan.py: Cirrus's published field, Spectralis OCTA reversed)
 RESAMPLE_MODES = ("grid", "spacing")
 GEOMETRY_SOURCES = ("published", "header")   # which witness of a scan's extent the resample believes (ingest/scan.py)
 MIN_FILL = 0.5   # resample: spacing: a file must fill at least this fraction of the target along every axis

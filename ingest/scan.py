@@ -6,7 +6,7 @@
 - Geometry, three witnesses per axis: the header's spacing x shape, the protocol's published field,
   and the traces (their extent across frames over their length along the B-scan is the field's
   aspect: unit-free, as the localizer's pixel size is not in the file). Where they disagree by more
-  than GEOMETRY_TOLERANCE the row gets a `geometry_warning` naming each witness and value, and the
+  than a tenth (protocols.GEOMETRY_TOLERANCE) the row gets a `geometry_warning` naming each witness and value, and the
   resample takes the witness `preprocess.geometry` names (published: the published field where
   there is one, which repairs the Cirrus macular cube whose converter wrote the column spacing as
   Slice Thickness; header: the header's spacing).
@@ -27,7 +27,6 @@ from ingest import geometry
 from manifests import protocols
 from manifests.protocols import RADIAL, RASTER
 
-GEOMETRY_TOLERANCE = 0.1     # relative disagreement between two witnesses of one extent that is reported
 GEOMETRY_SOURCES = ("published", "header")
 READING_CODE = ("ingest/scan.py", "ingest/dicom.py")   # their import closure reads a header
 
@@ -89,14 +88,6 @@ def classify(header, row: dict) -> Classified:
     return shared
 
 
-def _differ(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and abs(a - b) > GEOMETRY_TOLERANCE * max(a, b)
-
-
-def _mm(v: float | None) -> str:
-    return "none" if v is None else f"{v:.3g} mm"
-
-
 def geometry_of(header, published: list | None, pattern: str | None, source: str) -> tuple[list, list, str | None]:
     """(spacing, field, warning): the voxel size and extent per axis the resample uses, from the
     witness `source` names first, and the disagreements among the witnesses."""
@@ -115,10 +106,10 @@ def geometry_of(header, published: list | None, pattern: str | None, source: str
         field.append(known.get(chosen))
         if pattern == RADIAL and axis == 0:
             field[0] = None   # a radial scan has no extent across its frames
-        elif any(_differ(a, b) for a in known.values() for b in known.values()):
-            detail = ", ".join(f"{w} {_mm(v)}" + (f" ({shape[axis]} x {spacing_h[axis]:.4g})" if w == "header" else "")
-                               for w, v in known.items())
-            warnings.append(f"{geometry.AXES[axis]}: {detail}; used {chosen}")
+            continue
+        differ = protocols.disagreement(geometry.AXES[axis], known, {"header": f" ({shape[axis]} x {spacing_h[axis]:.4g})"})
+        if differ:
+            warnings.append(f"{differ}; used {chosen}")
     spacing = [f / n if f else float("nan") for f, n in zip(field, shape)]
     return spacing, field, ("geometry: " + "; ".join(warnings)) if warnings else None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import posixpath
+import re
 import time
 from collections import Counter
 from typing import Sequence
@@ -266,6 +267,7 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
         "layout": _layout_name(found_by), "by_path": found_by["path"], "by_name": found_by["name"],
         "not_found": found_by[None], "ignored": sorted(ignored), "ignored_by": Counter(ignored.values()),
         "protocol_by": Counter(r["protocol_by"] or "none" for r in rows if not r["manifest_error"]),
+        "geometry_warnings": Counter(r["protocol"] for r in rows if r.get("geometry_warning")),
     }
     return rows, summary
 
@@ -279,13 +281,34 @@ def _layout_name(found_by: Counter) -> str:
 
 
 def _add_protocol(row: dict, file_name: str) -> None:
-    """protocol, scan_pattern and field_mm as the file name and the published table give them;
-    `make cache` reads the header's witnesses too (ingest/scan.py)."""
+    """protocol, scan_pattern and field_mm as the file name and the published table give them, and
+    where manifest.tsv's spacing disagrees with that field (AI-READI's metadata step copies it from the
+    header); `make cache` reads the header's witnesses too (ingest/scan.py)."""
     protocol = protocols.from_file_name(file_name)
     row["protocol"] = protocol
     row["protocol_by"] = "name" if protocol else None
     row["scan_pattern"] = protocols.published_pattern(protocol)
     row["field_mm"] = protocols.published_field(protocol)
+    row["geometry_warning"] = _tsv_geometry(row)
+
+
+def _numbers(text: str | None) -> list[float]:
+    return [float(v) for v in re.findall(r"\d+(?:\.\d+)?(?:[eE]-?\d+)?", text or "")]
+
+
+def _tsv_geometry(row: dict) -> str | None:
+    """manifest.tsv's spacing x shape against the protocol's published field, across frames and along
+    B-scans: the Cirrus macular cube's overwritten Slice Thickness shows here, before any file is read."""
+    field, shape = row["field_mm"], row.get("tsv_shape")
+    if not field or not shape or row["scan_pattern"] != protocols.RASTER:
+        return None
+    thickness, spacing = _numbers(row.get("slice_thickness")), _numbers(row.get("pixel_spacing"))
+    said = [thickness[0] * shape[0] if len(thickness) == 1 else None,
+            spacing[1] * shape[2] if len(spacing) == 2 else None]
+    out = [protocols.disagreement(geometry_axis, {"manifest.tsv": tsv, "published": published})
+           for geometry_axis, tsv, published in (("across frames", said[0], field[0]), ("along B-scans", said[1], field[2]))]
+    out = [o for o in out if o]
+    return "geometry: " + "; ".join(out) + " (the header decides at make cache)" if out else None
 
 
 def _unlisted_row(rel: str, listing: dict, mirror: dict, base_row) -> dict:
@@ -361,6 +384,10 @@ def print_summary(summary: dict, out: str, root: str, seconds: float) -> None:
         kinds = ", ".join(f"{k} {v}" for k, v in summary["ignored_by"].most_common())
         print(f"note: {len(summary['ignored'])} .dcm file(s) that are not structural OCT ignored ({kinds}: by their "
               "path or name), e.g. " + ", ".join(summary["ignored"][:3]))
+    warned = summary["geometry_warnings"]
+    if warned:
+        print("geometry: manifest.tsv's spacing disagrees with the published field (make cache reads the headers): "
+              + ", ".join(f"{p} {n}" for p, n in warned.most_common()))
     by = summary["protocol_by"]
     print(f"protocol told by the file name: {by['name']} row(s); left to the header (Protocol Name, traces, shape): "
           f"{by['none']}")

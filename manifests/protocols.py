@@ -200,6 +200,18 @@ def by_shape(shape, device: str | None = None, region: str | None = None) -> lis
     return in_region or hits
 
 
+GEOMETRY_TOLERANCE = 0.1   # relative disagreement between two witnesses of one extent that is reported
+
+
+def disagreement(axis: str, said: dict[str, float | None], detail: dict[str, str] | None = None) -> str | None:
+    """`<axis>: <witness> <value> mm, ...` when two of the witnesses' extents (mm) differ by more than
+    GEOMETRY_TOLERANCE, else None. `detail`: a note after a witness's value (how it was computed)."""
+    known = {w: v for w, v in said.items() if v is not None}
+    if not any(abs(a - b) > GEOMETRY_TOLERANCE * max(a, b) for a in known.values() for b in known.values()):
+        return None
+    return f"{axis}: " + ", ".join(f"{w} {v:.3g} mm{(detail or {}).get(w, '')}" for w, v in known.items())
+
+
 def region_word(anatomic_region: str | None) -> str | None:
     """manifest.tsv's anatomic_region without its field ("Macula, 6 x 6" -> "macula"), for `select`."""
     if not anatomic_region:

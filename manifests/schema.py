@@ -51,6 +51,9 @@ SOURCE_FIELDS = [
     pa.field("protocol_by", pa.string()),     # the witness that named the protocol: name | header | shape (null: none)
     pa.field("scan_pattern", pa.string()),
     pa.field("field_mm", pa.list_(pa.float64())),
+    # where the scan's witnesses of its extent disagree, each one's value: manifest.tsv's spacing against the published
+    # field here; the header's, the published field and the frames' traces in the cache manifest (ingest/scan.py)
+    pa.field("geometry_warning", pa.string()),
 ]
 
 CACHE_FIELDS = SOURCE_FIELDS + [
@@ -66,7 +69,6 @@ CACHE_FIELDS = SOURCE_FIELDS + [
     pa.field("native_spacing_mm", pa.list_(pa.float64())),  # frame, row, col spacing
     pa.field("flipped_axes", pa.list_(pa.int32())),  # axes reversed to the common orientation
     pa.field("flipped", pa.string()),          # what was reversed and which witness said so (null: nothing)
-    pa.field("geometry_warning", pa.string()),  # where the scan's witnesses disagree: each one's value, the one used
     pa.field("crop_pad", pa.list_(pa.int32())),  # resample: spacing: voxels padded (+) or cut (-) per axis to the shape
     pa.field("transfer_syntax", pa.string()),
     pa.field("bits_stored", pa.int32()),

@@ -378,3 +378,16 @@ def test_native_cirrus_cubes_that_nothing_names_are_cached_by_their_shape(tmp_pa
     assert (cubes.status == "ok").all() and (cubes.protocol_by == "shape").all(), cubes[["status", "skip_reason"]]
     assert sorted(cubes.protocol) == ["cirrus disc oct", "cirrus mac oct", "cirrus macula 6x6 octa"]
     assert "shape 3" in r.stdout
+
+
+def test_make_manifest_reports_the_cirrus_cubes_geometry_before_any_file_is_read(tmp_path):
+    from conftest import run_cli
+
+    synth.generate(tmp_path / "t", synth.SynthConfig(participants=4, scale=16, seed=3, bad_files=False, unlabeled=0))
+    rows, summary = build.build_sources(str(tmp_path / "t"))
+    cirrus = [r for r in rows if r["protocol"] == "cirrus mac oct"]
+    assert cirrus and all(r["geometry_warning"].startswith("geometry: across frames: manifest.tsv 1.5 mm, published 6 mm")
+                          for r in cirrus)
+    assert not any(r["geometry_warning"] for r in rows if r["device"] != "zeiss_cirrus")
+    r = run_cli("manifests.build", "--source", str(tmp_path / "t"), "--out", str(tmp_path / "s.parquet"))
+    assert f"published field (make cache reads the headers): cirrus mac oct {len(cirrus)}" in r.stdout, r.stdout
