@@ -79,6 +79,39 @@ def read_with_retries(uri: str, attempts: int, timeout: float | None = None) -> 
     raise AssertionError("unreachable")
 
 
+def read_source(row: dict, cfg: CacheConfig) -> bytes:
+    """The source's bytes, or BadInput naming why they cannot be read."""
+    try:
+        return read_with_retries(row["source"], cfg.read_retries, cfg.read_timeout_s)
+    except FileNotFoundError:
+        raise BadInput("missing: the file disappeared after the listing") from None
+    except PermissionError as exc:
+        raise BadInput(f"unreadable: permission denied ({exc.strerror or exc})") from None
+    except OSError as exc:
+        detail = str(exc) or f"no answer within read_timeout_s={cfg.read_timeout_s:g}"
+        raise BadInput(f"read error: {type(exc).__name__}: {detail} (after {cfg.read_retries} attempts)") from None
+    except Exception as exc:  # a ZIP member: zipfile checks its CRC-32 as it reads
+        reason = archives.read_failure(exc, row["source"])
+        if reason is None:
+            raise
+        raise BadInput(reason) from None
+
+
+def check_bytes(row: dict, data: bytes) -> str:
+    """The bytes' SHA-1, after checking their size against the listing and their hashes against the
+    mirror record (BadInput when they differ)."""
+    if row.get("size") is not None and len(data) != row["size"]:
+        raise BadInput(f"size mismatch: read {len(data)} bytes, the listing said {row['size']}")
+    sha1 = hashlib.sha1(data).hexdigest()
+    if row.get("expected_sha1") and sha1 != row["expected_sha1"]:
+        raise BadInput(f"checksum mismatch: SHA-1 {sha1} differs from the mirror record {row['expected_sha1']}")
+    if row.get("expected_md5"):
+        md5 = hashlib.md5(data).hexdigest()
+        if md5 != row["expected_md5"]:
+            raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
+    return sha1
+
+
 def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
     """One source -> one cache row: ok, skipped (the header shows it is not selected) or failed.
     Never raises for bad input."""
@@ -86,29 +119,8 @@ def process_row(row: dict, cfg_dict: dict, cache_root: str, tag: str) -> dict:
     t0 = time.perf_counter()
     out = {"status": "failed", "volume": None, "cache_key": row["cache_key"], "code_version": prep.CODE_VERSION}
     try:
-        try:
-            data = read_with_retries(row["source"], cfg.read_retries, cfg.read_timeout_s)
-        except FileNotFoundError:
-            raise BadInput("missing: the file disappeared after the listing") from None
-        except PermissionError as exc:
-            raise BadInput(f"unreadable: permission denied ({exc.strerror or exc})") from None
-        except OSError as exc:
-            detail = str(exc) or f"no answer within read_timeout_s={cfg.read_timeout_s:g}"
-            raise BadInput(f"read error: {type(exc).__name__}: {detail} (after {cfg.read_retries} attempts)") from None
-        except Exception as exc:  # a ZIP member: zipfile checks its CRC-32 as it reads
-            reason = archives.read_failure(exc, row["source"])
-            if reason is None:
-                raise
-            raise BadInput(reason) from None
-        if row.get("size") is not None and len(data) != row["size"]:
-            raise BadInput(f"size mismatch: read {len(data)} bytes, the listing said {row['size']}")
-        out["sha1"] = hashlib.sha1(data).hexdigest()
-        if row.get("expected_sha1") and out["sha1"] != row["expected_sha1"]:
-            raise BadInput(f"checksum mismatch: SHA-1 {out['sha1']} differs from the mirror record {row['expected_sha1']}")
-        if row.get("expected_md5"):
-            md5 = hashlib.md5(data).hexdigest()
-            if md5 != row["expected_md5"]:
-                raise BadInput(f"checksum mismatch: MD5 {md5} differs from the mirror record {row['expected_md5']}")
+        data = read_source(row, cfg)
+        out["sha1"] = check_bytes(row, data)
         t1 = time.perf_counter()
         header = read_header(data, max_voxels=cfg.preprocess.max_voxels, accept_any_sop=cfg.preprocess.accept_any_sop)
         scan = scans.describe(header, row, cfg.preprocess.geometry, cfg.preprocess.orientation)

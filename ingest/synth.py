@@ -19,7 +19,6 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
-import io
 import os
 import shutil
 import zipfile
@@ -28,46 +27,21 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.sequence import Sequence as DicomSequence
-from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
+from pydicom.dataset import Dataset
+from pydicom.uid import generate_uid
 from tqdm import tqdm
 
 # LESION_EDGE is not used here: check/token_probe.py reads it as synth.LESION_EDGE
 from ingest.phantom import (LESION_COLUMNS, LESION_EDGE, Eye, VolumeDraws, draw_volume, lesion_table,  # noqa: F401
                             render_volume, sample_eye)
+# the release's files as AI-READI's converters write them; the tests and benchmarks reach them through this module
+from ingest.release_files import (DEVICES, OPT_SOP_CLASS, OTHER_MODALITIES, DeviceSpec, compression,  # noqa: F401
+                                  dicom_bytes, has_traces, header_spacing, localizer_traces, make_dataset,
+                                  per_frame_spacing, tsv_spacing, write_other_modalities)
 from manifests.aireadi import SITES, STUDY_GROUPS
 from manifests.protocols import PROTOCOLS, RADIAL, Protocol
 from octfm import cli, procs
 
-OPT_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    shape: tuple[int, int, int]          # frames, rows, cols at native size
-    spacing: tuple[float, float, float]  # mm: between frames, rows, cols
-    manufacturer: str
-    model: str
-    short: str
-    compress: str | None = None          # transfer syntax to write
-    # AI-READI's Cirrus converter overwrites Slice Thickness with the column spacing (docs/data.md, "Scan protocols")
-    thickness_is_column_spacing: bool = False
-
-
-DEVICES = {
-    d.name: d for d in (
-        DeviceSpec("heidelberg_spectralis", (61, 496, 768), (0.1200, 0.0039, 0.0114), "Heidelberg Engineering",
-                   "Spectralis", "spectralis"),
-        DeviceSpec("topcon_maestro2", (128, 885, 512), (0.0469, 0.0026, 0.0117), "Topcon", "Maestro2", "maestro2"),
-        DeviceSpec("topcon_triton", (256, 992, 512), (0.0469, 0.0026, 0.0234), "Topcon", "Triton", "triton"),
-        DeviceSpec("zeiss_cirrus", (128, 1024, 512), (0.0469, 0.0020, 0.0117), "Carl Zeiss Meditec", "Cirrus HD-OCT 5000",
-                   "cirrus", compress=JPEG2000Lossless, thickness_is_column_spacing=True),
-    )
-}
-OCTA_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.8"    # OCT B-scan Volume Analysis: an OCTA flow cube
-PHOTO_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.5.1"   # Ophthalmic Photography 8 Bit
 LESION_TABLE = "lesions.tsv"  # at the cohort's root: where every lesion sits (phantom.lesion_table)
 # each device's main raster protocol: every participant has it, both eyes (its shape is the device's above)
 MAIN_PROTOCOL = {
@@ -75,7 +49,6 @@ MAIN_PROTOCOL = {
     "topcon_triton": "triton 3d radial oct", "zeiss_cirrus": "cirrus mac oct",
 }
 RADIAL_PROTOCOL = "spectralis onh rc hr oct"  # every Spectralis participant's right eye: skipped by `make cache`
-LOCALIZER_MM = 0.0115  # mm per pixel of the notional localizer image the frames' traces are drawn on
 LAYOUTS = ("plain", "zipped", "repack")
 
 
@@ -90,119 +63,6 @@ def native_spacing(spec: DeviceSpec, protocol: Protocol) -> tuple[float, float, 
     f, _, c = protocol.shapes[0]
     across, along = protocol.field_mm
     return (across / f if across else spec.spacing[0], spec.spacing[1], along / c if along else spec.spacing[2])
-
-
-def has_traces(protocol: Protocol) -> bool:
-    """Whether release files of this protocol carry their frames' traces (Ophthalmic Frame Location): AI-READI's
-    converters write or copy them for every protocol but Spectralis OCTA, Heidelberg's own export, whose traces
-    no public file shows; the generator leaves them out there, so its documented reversal is what orients it."""
-    return not protocol.frames_reversed
-
-
-def localizer_traces(protocol: Protocol, frames: int, cols: int, spacing, reverse: bool = False) -> list[list[float]]:
-    """Each frame's trace on a localizer image, as DICOM's Reference Coordinates (row, column pairs):
-    a raster's lines top to bottom (bottom to top when `reverse`: the file's frames then run up),
-    a radial scan's lines through one centre at evenly spread angles."""
-    width = cols * spacing[2] / LOCALIZER_MM
-    centre = 384.0
-    out = []
-    for k in range(frames):
-        if protocol.pattern == RADIAL:
-            angle = np.pi * k / frames
-            dr, dc = width / 2 * np.sin(angle), width / 2 * np.cos(angle)
-            out.append([centre - dr, centre - dc, centre + dr, centre + dc])
-            continue
-        height = (frames - 1) * spacing[0] / LOCALIZER_MM
-        row = centre - height / 2 + height * ((frames - 1 - k) if reverse else k) / max(frames - 1, 1)
-        out.append([row, centre - width / 2, row, centre + width / 2])
-    return [[round(v, 3) for v in t] for t in out]
-
-
-def _functional_group(spacing: tuple[float, float, float], thickness: bool = True) -> Dataset:
-    pm = Dataset()
-    pm.PixelSpacing = [f"{spacing[1]:.6g}", f"{spacing[2]:.6g}"]
-    if thickness:
-        pm.SliceThickness = f"{spacing[0]:.6g}"
-    fg = Dataset()
-    fg.PixelMeasuresSequence = DicomSequence([pm])
-    return fg
-
-
-def header_spacing(spec: DeviceSpec, spacing: tuple[float, float, float]) -> tuple[float, float, float]:
-    """The (frame, row, col) spacing a release header states: the true one, but on Cirrus, whose converter
-    overwrites Slice Thickness with the column spacing."""
-    return (spacing[2], spacing[1], spacing[2]) if spec.thickness_is_column_spacing else tuple(spacing)
-
-
-def per_frame_spacing(protocol: Protocol) -> bool:
-    """Spectralis's radial scans keep Pixel Spacing per frame, without Slice Thickness; every other
-    protocol has both in the shared functional groups (docs/data.md, "Scan protocols")."""
-    return protocol.pattern == RADIAL
-
-
-def tsv_spacing(spec: DeviceSpec, protocol: Protocol, spacing) -> dict[str, str]:
-    """manifest.tsv's pixel_spacing and slice_thickness strings as AI-READI's metadata step writes them: the
-    shared functional groups' values (Cirrus's overwritten thickness included), "Varies by frame" and "Not
-    reported" where spacing is per frame."""
-    f, r, c = header_spacing(spec, spacing)
-    if per_frame_spacing(protocol):
-        return {"pixel_spacing": "Varies by frame", "slice_thickness": "Not reported"}
-    return {"pixel_spacing": f"{r:g}\\{c:g}", "slice_thickness": f"{f:g}"}
-
-
-def _frame_location(trace: list[float]) -> Dataset:
-    loc = Dataset()
-    loc.ReferenceCoordinates = trace
-    loc.OphthalmicImageOrientation = "LINEAR"
-    return loc
-
-
-def make_dataset(vol: np.ndarray, spec: DeviceSpec, spacing: tuple[float, float, float], *,
-                 participant: str, laterality: str, sop_uid: str, study_uid: str, series_uid: str,
-                 protocol_name: str | None = None, traces: list[list[float]] | None = None,
-                 per_frame: bool = False, sop_class: str = OPT_SOP_CLASS) -> Dataset:
-    """An OPT (Ophthalmic Tomography) multi-frame dataset holding `vol`, uncompressed; with
-    Protocol Name and each frame's Ophthalmic Frame Location when given. `spacing` is what the
-    header states: in the shared functional groups, or each frame's without Slice Thickness (`per_frame`)."""
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = sop_class
-    meta.MediaStorageSOPInstanceUID = sop_uid
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID = sop_class, sop_uid
-    ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
-    ds.Modality = "OPT"
-    ds.PatientID = participant
-    ds.Manufacturer, ds.ManufacturerModelName = spec.manufacturer, spec.model
-    ds.ImageLaterality = laterality
-    ds.Laterality = laterality
-    ds.SamplesPerPixel = 1
-    ds.PhotometricInterpretation = "MONOCHROME2"
-    ds.NumberOfFrames = vol.shape[0]
-    ds.Rows, ds.Columns = vol.shape[1], vol.shape[2]
-    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
-    if protocol_name:
-        ds.ProtocolName = protocol_name
-    groups = [_functional_group(spacing, thickness=False) if per_frame else Dataset() for _ in range(vol.shape[0])]
-    if not per_frame:
-        ds.SharedFunctionalGroupsSequence = DicomSequence([_functional_group(spacing)])
-    for group, trace in zip(groups, traces or ()):
-        group.OphthalmicFrameLocationSequence = DicomSequence([_frame_location(trace)])
-    if per_frame or traces:
-        ds.PerFrameFunctionalGroupsSequence = DicomSequence(groups)
-    ds.PixelData = np.ascontiguousarray(vol).tobytes()
-    return ds
-
-
-def dicom_bytes(ds: Dataset, compress: str | None = None) -> bytes:
-    if compress:
-        ds = copy.deepcopy(ds)
-        # keep the SOP Instance UID manifest.tsv lists (pydicom would draw a random one)
-        ds.compress(compress, encoding_plugin="pylibjpeg", generate_instance_uid=False)
-    buf = io.BytesIO()
-    ds.save_as(buf, enforce_file_format=True)
-    return buf.getvalue()
 
 
 @dataclasses.dataclass
@@ -346,6 +206,76 @@ def default_workers(cfg: SynthConfig) -> int:
     return min(MAX_WORKERS, len(os.sched_getaffinity(0)))
 
 
+class _Tree:
+    """The tree being written: manifest.tsv's rows, the lesions' answer key and the counts, and the one
+    random stream the volumes are drawn from, in participant order."""
+
+    def __init__(self, out: Path, cfg: SynthConfig):
+        self.out, self.cfg = out, cfg
+        self.rng = np.random.default_rng(cfg.seed)
+        self.rows: list[dict] = []
+        self.lesion_rows: list[dict] = []
+        self.counts = {"good": 0, "bad": 0, "missing": 0, "radial": 0, "others": 0, "protocols": collections.Counter()}
+        self.study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
+
+    def add_file(self, pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
+                 protocol: Protocol, spacing) -> str:
+        """manifest.tsv's row for a file (written here when `data` is given; None: listed but missing)."""
+        rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
+        if data is not None:
+            path = self.out / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        self.rows.append({
+            "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
+            "anatomic_region": protocol.region, "imaging": "OCT", "laterality": lat.upper(),
+            "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
+            **tsv_spacing(spec, protocol, spacing), "sop_instance_uid": sop_uid,
+            "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
+        })
+        return rel
+
+    def volume_job(self, pid, spec, lat, label, protocol: Protocol, vol_rng=None, uid_tag="OCT"):
+        """The volume's job (None with placeholders), its shape, SOP Instance UID and spacing; draws its
+        random numbers now, in the stream's order."""
+        cfg = self.cfg
+        shape = scaled_shape(spec.name, cfg.scale, protocol.name)
+        spacing = tuple(s * n / m for s, n, m in zip(native_spacing(spec, protocol), protocol.shapes[0], shape))
+        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{uid_tag}"])
+        if cfg.placeholders:
+            return None, shape, uid, spacing
+        r = vol_rng or self.rng
+        eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
+        job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye,
+                        protocol.name in cfg.reversed, uid, self.study_uid, protocol)
+        return job, shape, uid, spacing
+
+    def volume_dataset(self, pid, spec, lat, label):
+        job, shape, uid, spacing = self.volume_job(pid, spec, lat, label, PROTOCOLS[MAIN_PROTOCOL[spec.name]])
+        return job.dataset(), shape, uid, spacing
+
+    def participant(self, i: int, pid: str, label: int | None, writer: "_Writer") -> None:
+        """Every scan of participant i. A Latin square sets the scanner: over 16 participants each
+        (scanner, label) pair occurs once, so the scanner says nothing about the label (a probe must
+        not score by recognising scanners)."""
+        names = list(DEVICES)
+        spec = DEVICES[names[(i + i // 4) % len(names)]]
+        for protocol, lat, vol_rng, uid_tag in _scans(self.cfg, spec, i):
+            job, shape, uid, spacing = self.volume_job(pid, spec, lat, label, protocol, vol_rng, uid_tag)
+            rel = self.add_file(pid, spec, lat, protocol.file_name(pid, lat, uid), b"" if job is None else None, shape,
+                                uid, protocol, spacing)
+            if job is not None:
+                if self.cfg.others:
+                    self.counts["others"] += write_other_modalities(self.out, spec, protocol, pid, lat, uid)
+                writer.submit(job, self.out / rel, compression(spec, protocol, shape))
+                if protocol.pattern != RADIAL:  # the lesions' answer key covers the volumes
+                    self.lesion_rows += [{"participant_id": pid, "filepath": "/" + rel, **les} for les in
+                                         lesion_table(job.draws, lat, label, self.cfg.signal, job.eye)]
+            self.counts["good"] += 1
+            self.counts["radial"] += protocol.pattern == RADIAL
+            self.counts["protocols"][protocol.name] += 1
+
+
 def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | None = None,
              progress: bool = False) -> dict:
     """Write the tree under `out` (replacing it). Returns counts for the summary.
@@ -357,111 +287,27 @@ def generate(out: str | Path, cfg: SynthConfig = SynthConfig(), workers: int | N
     if out.exists():
         shutil.rmtree(out)
     (out / "retinal_oct").mkdir(parents=True)
-    rng = np.random.default_rng(cfg.seed)
     people = _participants(cfg)
     people.to_csv(out / "participants.tsv", sep="\t", index=False)
-    rows, counts = [], {"good": 0, "bad": 0, "missing": 0, "radial": 0, "others": 0, "protocols": collections.Counter()}
-    lesion_rows: list[dict] = []
-    device_names = list(DEVICES)
-    study_uid = generate_uid(entropy_srcs=[f"study-{cfg.seed}"])
-
-    def add_file(pid: str, spec: DeviceSpec, lat: str, name: str, data: bytes | None, shape, sop_uid: str,
-                 protocol: Protocol, spacing) -> str:
-        rel = f"retinal_oct/structural_oct/{spec.name}/{pid}/{name}"
-        if data is not None:
-            path = out / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        rows.append({
-            "participant_id": pid, "manufacturer": spec.manufacturer, "manufacturers_model_name": spec.model,
-            "anatomic_region": protocol.region, "imaging": "OCT", "laterality": lat.upper(),
-            "height": shape[1], "width": shape[2], "number_of_frames": shape[0],
-            **tsv_spacing(spec, protocol, spacing), "sop_instance_uid": sop_uid,
-            "filepath": "/" + rel, "reference_instance_uid": "", "reference_filepath": "",
-        })
-        return rel
-
-    def volume_job(pid, spec, lat, label, protocol: Protocol, vol_rng=None, uid_tag="OCT"):
-        """The volume's job (None with placeholders), its shape and SOP Instance UID; draws its
-        random numbers now, in the stream's order."""
-        shape = scaled_shape(spec.name, cfg.scale, protocol.name)
-        native = protocol.shapes[0]
-        spacing = tuple(s * n / m for s, n, m in zip(native_spacing(spec, protocol), native, shape))
-        uid = generate_uid(entropy_srcs=[f"{cfg.seed}-{pid}-{spec.name}-{lat}-{uid_tag}"])
-        if cfg.placeholders:
-            return None, shape, uid, spacing
-        r = vol_rng or rng
-        eye = sample_eye(label, r, cfg.lesions, cfg.lesion_size, cfg.layers) if cfg.lesions is not None else None
-        job = VolumeJob(shape, draw_volume(shape, r), spec, spacing, pid, lat, label, cfg.signal, eye,
-                        protocol.name in cfg.reversed, uid, study_uid, protocol)
-        return job, shape, uid, spacing
-
-    def volume_dataset(pid, spec, lat, label):
-        job, shape, uid, spacing = volume_job(pid, spec, lat, label, PROTOCOLS[MAIN_PROTOCOL[spec.name]])
-        return job.dataset(), shape, uid, spacing
-
+    tree = _Tree(out, cfg)
     with _Writer(default_workers(cfg) if workers is None else workers) as writer:
         for i, row in tqdm(people.iterrows(), total=len(people), desc="cohort", unit="participant",
                            disable=not progress, dynamic_ncols=True):
-            pid = row[cfg.id_column]
             g = row["study_group"]
-            label = STUDY_GROUPS.index(g) if g else None
-            # a Latin square: over 16 participants each (device, label) pair occurs once, so the
-            # device says nothing about the label (a probe must not score by recognising scanners)
-            spec = DEVICES[device_names[(i + i // 4) % len(device_names)]]
-            for protocol, lat, vol_rng, uid_tag in _scans(cfg, spec, i):
-                job, shape, uid, spacing = volume_job(pid, spec, lat, label, protocol, vol_rng, uid_tag)
-                rel = add_file(pid, spec, lat, protocol.file_name(pid, lat, uid), b"" if job is None else None, shape,
-                               uid, protocol, spacing)
-                if cfg.others and job is not None:
-                    counts["others"] += _write_other_modalities(out, spec, protocol, pid, lat, uid)
-                if job is not None:
-                    writer.submit(job, out / rel, compression(spec, protocol, shape))
-                    if protocol.pattern != RADIAL:  # the lesions' answer key covers the volumes
-                        lesion_rows += [{"participant_id": pid, "filepath": "/" + rel, **les} for les in
-                                        lesion_table(job.draws, lat, label, cfg.signal, job.eye)]
-                counts["good"] += 1
-                counts["radial"] += protocol.pattern == RADIAL
-                counts["protocols"][protocol.name] += 1
-
+            tree.participant(i, row[cfg.id_column], STUDY_GROUPS.index(g) if g else None, writer)
     if cfg.bad_files:
-        _add_bad_files(people[cfg.id_column].iloc[0], add_file, volume_dataset, counts)
-    pd.DataFrame(rows).to_csv(out / "retinal_oct" / "manifest.tsv", sep="\t", index=False)
+        _add_bad_files(people[cfg.id_column].iloc[0], tree.add_file, tree.volume_dataset, tree.counts)
+    pd.DataFrame(tree.rows).to_csv(out / "retinal_oct" / "manifest.tsv", sep="\t", index=False)
+    counts = tree.counts
     if cfg.lesions is not None:  # the answer key of the lesions cue, per volume (not part of AI-READI)
-        pd.DataFrame(lesion_rows, columns=["participant_id", "filepath", *LESION_COLUMNS]).to_csv(
+        pd.DataFrame(tree.lesion_rows, columns=["participant_id", "filepath", *LESION_COLUMNS]).to_csv(
             out / LESION_TABLE, sep="\t", index=False)
-        counts["lesions"] = len(lesion_rows)
+        counts["lesions"] = len(tree.lesion_rows)
     if cfg.layout == "zipped":
         counts["archives"] = zip_layout(out)
     elif cfg.layout == "repack":
         counts["archives"] = repack_layout(out)
     return counts
-
-
-OTHER_MODALITIES = {"flow_cube": ("retinal_octa/flow_cube", OCTA_SOP_CLASS, (4, 16, 16)),
-                    "ir": ("retinal_photography/ir", PHOTO_SOP_CLASS, (1, 32, 32))}
-
-
-def _write_other_modalities(out: Path, spec: DeviceSpec, protocol: Protocol, pid: str, lat: str, uid: str) -> int:
-    """An OCT scan's sibling files (small: only their names, classes and places matter), named as AI-READI's
-    converters name them: `<pid>_<id>_<submodality>_<l|r>_<uid>.dcm`. Returns how many were written."""
-    for k, (sub, (folder, sop_class, shape)) in enumerate(OTHER_MODALITIES.items()):
-        sibling = generate_uid(entropy_srcs=[uid, sub])
-        vol = np.full(shape, 40 + 20 * k, np.uint8)
-        ds = make_dataset(vol, spec, (0.05, 0.01, 0.01), participant=pid, laterality=lat, sop_uid=sibling,
-                          study_uid=uid, series_uid=generate_uid(entropy_srcs=[sibling]),
-                          protocol_name=protocol.header_name, sop_class=sop_class)
-        ds.Modality = "OPT" if sop_class == OCTA_SOP_CLASS else "OP"
-        path = out / folder / spec.name / pid / f"{pid}_{protocol.file_id}_{sub}_{lat.lower()}_{sibling}.dcm"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(dicom_bytes(ds))
-    return len(OTHER_MODALITIES)
-
-
-def compression(spec: DeviceSpec, protocol: Protocol, shape) -> str | None:
-    """The device's transfer syntax for its volumes; uncompressed for the radial scan and for frames
-    under 32 pixels a side (OpenJPEG refuses its default six resolutions on those)."""
-    return spec.compress if protocol.pattern != RADIAL and min(shape[1:]) >= 32 else None
 
 
 def _scans(cfg: SynthConfig, spec: DeviceSpec, i: int):

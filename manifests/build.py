@@ -159,60 +159,62 @@ def _int_or_none(v: str):
         return None
 
 
-def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
-                  participants_tsv: str | None = None) -> tuple[list[dict], dict]:
-    """The source rows and a summary dict (counts and warnings) for the dataset at `root`.
-    `oct_manifest` and `participants_tsv` name the tables where they are not in a usual place."""
-    p_uri = table_uri(root, participants_tsv, PARTICIPANTS_AT, PARTICIPANTS, "PARTICIPANTS")
-    m_uri = table_uri(root, oct_manifest, OCT_MANIFEST_AT, f"the OCT {OCT_MANIFEST}", "OCT_MANIFEST")
-    participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
-    participants, n_resplit = splits.fill_splits(participants, seed=seed)
-    oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
-    listing, zips = list_dataset(root)
-    mirror = layout.read_mirror_record(root)
-    people = participants.set_index("participant_id")
+class Sources:
+    """The dataset as one listing joined to the participants: makes each source row."""
 
-    rows: list[dict] = []
-    seen: set[str] = set()
-    unknown_participants: set[str] = set()
+    def __init__(self, root: str, people: pd.DataFrame):
+        self.root, self.people = root, people
+        self.listing, self.zips = list_dataset(root)
+        self.mirror = layout.read_mirror_record(root)
+        self.unknown_participants: set[str] = set()
 
-    def base_row(pid: str, rel: str | None, raw_path: str, found: str | None) -> dict:
-        info = people.loc[pid] if pid in people.index else None
+    def base_row(self, pid: str, rel: str | None, raw_path: str, found: str | None) -> dict:
+        """The participant's columns and where the file is."""
+        info = self.people.loc[pid] if pid in self.people.index else None
         if info is None and pid:
-            unknown_participants.add(pid)
-        label = None if info is None or pd.isna(info["label"]) else int(info["label"])
+            self.unknown_participants.add(pid)
         where = found or rel
+        source = None
+        if rel is not None:
+            source = self.listing[where]["source"] if where in self.listing else fsio.join(self.root, rel)
         return {
             "participant_id": pid or None,
             "clinical_site": None if info is None else (_clean(info.get("clinical_site")) or None),
             "study_group": None if info is None else _clean(info["study_group"]),
-            "label": label,
+            "label": None if info is None or pd.isna(info["label"]) else int(info["label"]),
             "split": None if info is None else _clean(info["split"]),
             "age": None if info is None else _int_or_none(_clean(info.get("age"))),
             "study_visit_date": None if info is None else (_clean(info.get("study_visit_date")) or None),
             "relpath": rel if rel is not None else raw_path,
-            "source": (listing[where]["source"] if where in listing else fsio.join(root, rel)) if rel is not None else None,
+            "source": source,
         }
 
-    parsed = []
-    for r in oct_rows.to_dict("records"):
-        try:
-            parsed.append((r, fsio.safe_relpath(r["filepath"], required_prefix=OCT_DIR), None))
-        except fsio.PathEscapeError as exc:
-            parsed.append((r, None, f"bad path in manifest.tsv: {exc}"))
-    matcher = Matcher(listing)
-    matcher.claim_paths(rel for _, rel, _ in parsed if rel is not None)
-    for r, rel, error in parsed:
-        pid = r["participant_id"]
-        found, how = None, None
-        if rel is not None:
-            if rel in seen:
-                error = "duplicate: manifest.tsv lists this file more than once"
-            seen.add(rel)
-            if error is None:
-                found, how, why = matcher.find(rel)
-                error = listing[found]["error"] if found else (why or _absent_reason(rel, zips))
-        row = base_row(pid, rel, r["filepath"], found)
+    def listed_rows(self, oct_rows: pd.DataFrame) -> tuple[list[dict], Matcher]:
+        """One row per manifest.tsv row, its file found at its path or by its name."""
+        parsed = []
+        for r in oct_rows.to_dict("records"):
+            try:
+                parsed.append((r, fsio.safe_relpath(r["filepath"], required_prefix=OCT_DIR), None))
+            except fsio.PathEscapeError as exc:
+                parsed.append((r, None, f"bad path in manifest.tsv: {exc}"))
+        matcher = Matcher(self.listing)
+        matcher.claim_paths(rel for _, rel, _ in parsed if rel is not None)
+        rows, seen = [], set()
+        for r, rel, error in parsed:
+            found, how = None, None
+            if rel is not None:
+                if rel in seen:
+                    error = "duplicate: manifest.tsv lists this file more than once"
+                seen.add(rel)
+                if error is None:
+                    found, how, why = matcher.find(rel)
+                    error = self.listing[found]["error"] if found else (why or _absent_reason(rel, self.zips))
+            rows.append(self.listed_row(r, rel, found, how, error))
+        return rows, matcher
+
+    def listed_row(self, r: dict, rel: str | None, found: str | None, how: str | None, error: str | None) -> dict:
+        row = self.base_row(r["participant_id"], rel, r["filepath"], found)
+        shape = [_int_or_none(r["number_of_frames"]), _int_or_none(r["height"]), _int_or_none(r["width"])]
         row.update({
             "device": aireadi.device_from_path(rel or "", r["manufacturer"], r["manufacturers_model_name"]),
             "manufacturer": r["manufacturer"] or None,
@@ -224,45 +226,60 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
             "pixel_spacing": r["pixel_spacing"] or None,
             "slice_thickness": r["slice_thickness"] or None,
             "reference_filepath": r["reference_filepath"] or None,
-            "listed": True, "found_by": how,
-            "tsv_shape": [_int_or_none(r["number_of_frames"]), _int_or_none(r["height"]), _int_or_none(r["width"])],
+            "listed": True, "found_by": how, "tsv_shape": None if None in shape else shape,
         })
-        if None in row["tsv_shape"]:
-            row["tsv_shape"] = None
         _add_protocol(row, posixpath.basename(rel or ""))
         if error is None and row["device"] is None:
             error = "unknown device: neither the path nor manufacturer/model name a known scanner"
-        _attach_listing(row, found, listing, mirror)
+        _attach_listing(row, found, self.listing, self.mirror)
         row["manifest_error"] = error
-        rows.append(row)
+        return row
 
-    ignored: dict[str, str] = {}
-    for rel in sorted(listing):
-        if rel in matcher.claimed or not rel.lower().endswith(".dcm"):
-            continue
-        other = oct_or_other(rel)
-        if other:
-            ignored[rel] = other   # another modality's DICOM (retinal_octa/, retinal_photography/, ...)
-            continue
-        rows.append(_unlisted_row(rel, listing, mirror, base_row))
+    def unlisted_rows(self, claimed) -> tuple[list[dict], dict[str, str]]:
+        """Rows for the structural OCT files manifest.tsv does not list, and relpath -> kind for
+        every other DICOM, ignored (flow cubes, photographs: oct_or_other)."""
+        rows, ignored = [], {}
+        for rel in sorted(self.listing):
+            if rel in claimed or not rel.lower().endswith(".dcm"):
+                continue
+            other = oct_or_other(rel)
+            if other:
+                ignored[rel] = other
+            else:
+                rows.append(_unlisted_row(rel, self.listing, self.mirror, self.base_row))
+        return rows, ignored
 
+
+def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
+                  participants_tsv: str | None = None) -> tuple[list[dict], dict]:
+    """The source rows and a summary dict (counts and warnings) for the dataset at `root`.
+    `oct_manifest` and `participants_tsv` name the tables where they are not in a usual place."""
+    p_uri = table_uri(root, participants_tsv, PARTICIPANTS_AT, PARTICIPANTS, "PARTICIPANTS")
+    m_uri = table_uri(root, oct_manifest, OCT_MANIFEST_AT, f"the OCT {OCT_MANIFEST}", "OCT_MANIFEST")
+    participants, warnings = aireadi.parse_participants(fsio.read_text(p_uri), where=p_uri)
+    participants, n_resplit = splits.fill_splits(participants, seed=seed)
+    oct_rows = aireadi.parse_oct_manifest(fsio.read_text(m_uri), where=m_uri)
+    src = Sources(root, participants.set_index("participant_id"))
+    rows, matcher = src.listed_rows(oct_rows)
+    unlisted, ignored = src.unlisted_rows(matcher.claimed)
+    rows += unlisted
     by_rel = {r["relpath"]: r for r in rows}
     for rel, first in layout.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
-        row = by_rel[rel]
-        row["manifest_error"] = f"duplicate SOP instance UID: {row['sop_instance_uid']} is also {first}"
-    if unknown_participants:
-        warnings.append(f"{len(unknown_participants)} participant(s) in manifest.tsv are not in participants.tsv: null label")
+        by_rel[rel]["manifest_error"] = f"duplicate SOP instance UID: {by_rel[rel]['sop_instance_uid']} is also {first}"
+    if src.unknown_participants:
+        warnings.append(f"{len(src.unknown_participants)} participant(s) in manifest.tsv are not in "
+                        "participants.tsv: null label")
     leaks = splits.split_leaks(pd.DataFrame(rows))
     if leaks:  # cannot happen by construction; guard the invariant anyway
         raise RuntimeError(f"participants in two splits: {leaks[:10]}")
     found_by = Counter(r["found_by"] for r in rows if r["listed"])
     summary = {
         "participants": len(participants), "resplit": n_resplit, "rows": len(rows),
-        "unlisted": sum(not r["listed"] for r in rows),
+        "unlisted": len(unlisted),
         "row_errors": Counter(cli.reason(r["manifest_error"]) for r in rows if r["manifest_error"]),
         "devices": Counter(r["device"] for r in rows), "splits": Counter(r["split"] for r in rows),
         "mirror_hashes": sum(bool(r["expected_sha1"] or r["expected_md5"]) for r in rows),
-        "warnings": warnings, "archives": _archive_summary(zips, listing, rows, set(matcher.claimed)),
+        "warnings": warnings, "archives": _archive_summary(src.zips, src.listing, rows, set(matcher.claimed)),
         "tables": {"participants": p_uri, "oct_manifest": m_uri},
         "layout": _layout_name(found_by), "by_path": found_by["path"], "by_name": found_by["name"],
         "not_found": found_by[None], "ignored": sorted(ignored), "ignored_by": Counter(ignored.values()),
