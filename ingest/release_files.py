@@ -169,8 +169,10 @@ OTHER_MODALITIES = {"flow_cube": ("retinal_octa/flow_cube", OCTA_SOP_CLASS, (4, 
 
 def write_other_modalities(out: Path, spec: DeviceSpec, protocol: Protocol, pid: str, lat: str, uid: str) -> int:
     """An OCT scan's sibling files (small: only their names, classes and places matter), named as AI-READI's
-    converters name them: `<pid>_<id>_<submodality>_<l|r>_<uid>.dcm`. Returns how many were written."""
-    for k, (sub, (folder, sop_class, shape)) in enumerate(OTHER_MODALITIES.items()):
+    converters name them, `<pid>_<id>_<submodality>_<l|r>_<uid>.dcm`: its infrared localizer photo, and an OCTA
+    scan's flow cube. Returns how many were written."""
+    kinds = [k for k in OTHER_MODALITIES if k != "flow_cube" or protocol.name.endswith("octa")]  # flow: OCTA scans
+    for k, (sub, (folder, sop_class, shape)) in enumerate((k, OTHER_MODALITIES[k]) for k in kinds):
         sibling = generate_uid(entropy_srcs=[uid, sub])
         vol = np.full(shape, 40 + 20 * k, np.uint8)
         ds = make_dataset(vol, spec, (0.05, 0.01, 0.01), participant=pid, laterality=lat, sop_uid=sibling,
@@ -180,7 +182,7 @@ def write_other_modalities(out: Path, spec: DeviceSpec, protocol: Protocol, pid:
         path = out / folder / spec.name / pid / f"{pid}_{protocol.file_id}_{sub}_{lat.lower()}_{sibling}.dcm"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(dicom_bytes(ds))
-    return len(OTHER_MODALITIES)
+    return len(kinds)
 
 
 def compression(spec: DeviceSpec, protocol: Protocol, shape) -> str | None:

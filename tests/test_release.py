@@ -180,7 +180,7 @@ def test_a_scan_nothing_else_names_is_matched_by_its_shape(shape, region, want, 
 # ---------------------------------------------------------------- only OCT is OCT
 
 def test_other_modalities_in_an_archive_beside_oct_are_ignored_and_counted(tmp_path):
-    cfg = dict(participants=4, scale=16, seed=3, bad_files=False, unlabeled=0, others=True)
+    cfg = dict(participants=4, scale=16, seed=3, bad_files=False, unlabeled=0, others=True, protocols="all")
     synth.generate(tmp_path / "plain", synth.SynthConfig(**cfg))
     rows, _ = build.build_sources(str(tmp_path / "plain"))
     # the whole release in one ZIP, as a group may keep it: OCT, flow cubes and photographs side by side
@@ -193,12 +193,13 @@ def test_other_modalities_in_an_archive_beside_oct_are_ignored_and_counted(tmp_p
     zipped, summary = build.build_sources(str(root))
     assert sorted(r["relpath"] for r in zipped) == sorted(r["relpath"] for r in rows)
     assert all(r["relpath"].startswith("retinal_oct/structural_oct/") for r in zipped)
-    assert summary["ignored_by"] == {"flow_cube": len(rows), "ir": len(rows)}
+    octa = sum(r["protocol"].endswith("octa") for r in rows)   # an OCTA scan's flow cube, every scan's photo
+    assert octa and summary["ignored_by"] == {"flow_cube": octa, "ir": len(rows)}
     # a repacked bucket: one ZIP per scanner, its flow cubes and photographs among the OCT members
     synth.generate(tmp_path / "repack", synth.SynthConfig(**cfg, layout="repack"))
     repacked, summary = build.build_sources(str(tmp_path / "repack"))
-    assert len(repacked) == len(rows) and not any(r["relpath"].endswith(("flow_cube", "_ir")) for r in repacked)
-    assert summary["ignored_by"] == {"flow_cube": len(rows), "ir": len(rows)}
+    assert len(repacked) == len(rows) and not any("flow_cube" in r["relpath"] for r in repacked)
+    assert summary["ignored_by"] == {"flow_cube": octa, "ir": len(rows)}
 
 
 # ---------------------------------------------------------------- re-reads follow the code
