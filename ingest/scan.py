@@ -6,10 +6,10 @@
 - Geometry, three witnesses per axis: the header's spacing x shape, the protocol's published field,
   and the traces (their extent across frames over their length along the B-scan is the field's
   aspect: unit-free, as the localizer's pixel size is not in the file). Where they disagree by more
-  than a tenth (protocols.GEOMETRY_TOLERANCE) the row gets a `geometry_warning` naming each witness and value, and the
-  resample takes the witness `preprocess.geometry` names (published: the published field where
-  there is one, which repairs the Cirrus macular cube whose converter wrote the column spacing as
-  Slice Thickness; header: the header's spacing).
+  than a tenth (protocols.GEOMETRY_TOLERANCE) the row gets a `geometry_warning` naming each witness
+  and value, and the resample takes the witness `preprocess.geometry` names (published: the
+  published field where there is one, which repairs the Cirrus macular cube whose converter wrote
+  the column spacing as Slice Thickness; header: the header's spacing).
 - Orientation: the traces decide where they exist; else AI-READI's documented reversal of a
   protocol (Spectralis OCTA), then the configured rules (preprocess.orientation). A documented
   reversal that the traces contradict is a `geometry_warning`; `flipped` says what was done, why.
@@ -27,7 +27,6 @@ from ingest import geometry
 from manifests import protocols
 from manifests.protocols import RADIAL, RASTER
 
-GEOMETRY_SOURCES = ("published", "header")
 READING_CODE = ("ingest/scan.py", "ingest/dicom.py")   # their import closure reads a header
 
 
