@@ -32,7 +32,7 @@ from evals.config import ProbeConfig
 from manifests import schema
 from manifests.aireadi import SPLITS
 from octfm import cli, config, fsio
-from train import data, encoder, runtime
+from train import data, encoder, runtime, shares
 from train.run_folder import RunFolder
 
 KEYS = ("participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label",
@@ -136,7 +136,8 @@ def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: in
     lock = out_path.with_name(out_path.name + ".lock")
     try:
         with fsio.pid_lock(lock, on_stale=lambda m: print(f"embed: {m}", file=sys.stderr)):
-            return _embed(enc, cfg, ident, cache or cfg.data.cache, out_path, batch, chunk, device, progress,
+            return _embed(enc, cfg, ident, cache or shares.whole_cache(cfg.data.cache, "embed"), out_path, batch, chunk,
+                          device, progress,
                           features.resolve_precision(precision, device))
     except fsio.Busy as exc:
         raise cli.UsageError(f"--out {out_path}: another make embed is writing it ({exc}); wait for it to "

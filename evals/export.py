@@ -20,7 +20,7 @@ from evals import features
 from ingest import preprocess as prep
 from manifests import layout
 from octfm import cli, config, fsio, procs
-from train import checkpoint, data, encoder
+from train import checkpoint, data, encoder, shares
 from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
@@ -136,7 +136,8 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
 
     path, st = checkpoint.load_named(ckpt)
     enc, cfg, ident = features.checkpoint_encoder(path, state=st)
-    conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
+    cache = cache or shares.whole_cache(cfg.data.cache, "export")
+    conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache, cfg), enc.grid)
     weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
     fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)
     if "finetune" in st:  # a `make finetune` best epoch: its task head beside the encoder

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from evals import features, probe
 from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
-from train import checkpoint, run_folder, runtime
+from train import checkpoint, run_folder, runtime, shares
 from train.config import saved_config
 from train.metrics import read_splits
 from train.run_folder import RunFolder
@@ -344,7 +344,7 @@ def estimate_line(cfg: ProbeConfig, todo: list[tuple[str, int, str, dict]]) -> s
         enc = features.checkpoint_encoder(None, train_cfg=tcfg)[0]
     else:
         enc, tcfg, _ = features.checkpoint_encoder(uri)
-    cache = cfg.cache or tcfg.data.cache
+    cache = cfg.cache or shares.whole_cache(tcfg.data.cache, "leaderboard")
     rows = probe.labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     device, b = runtime.device_for(cfg.device), cfg.extract_batch
     if len(rows) < 2 * b:

@@ -25,7 +25,7 @@ from evals.probe_heads import HeadGrid, train_heads
 from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
 from octfm import cli, config, plots
-from train import checkpoint, data, run_folder, runtime
+from train import checkpoint, data, run_folder, runtime, shares
 from train.run_folder import RunFolder
 
 def run_checkpoint_dir(run: str) -> str:
@@ -330,7 +330,7 @@ def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | N
     written there too in the same pass, not returned (the learning check's token probe then reads
     no volume again)."""
     check_tasks(cfg)
-    cache = cfg.cache or tcfg.data.cache
+    cache = cfg.cache or shares.whole_cache(tcfg.data.cache, "probe")
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")

@@ -238,6 +238,20 @@ def training_sizes(cache: str, rows: list[dict], host: int, hosts: int) -> dict[
     return None if hosts == 1 else listed_bytes(cache, [r["volume"] for r in rows])
 
 
+def whole_cache(cache: str, who: str) -> str:
+    """The cache evaluation reads for `cache`: itself, or where a cache staged for one host was
+    copied from (probes, embeddings and exports read every volume, not one host's share); said on
+    stderr when it is the latter."""
+    import sys
+
+    record = read_stage_record(cache)
+    if record is None:
+        return cache
+    print(f"{who}: {cache} holds host {record['host']} of {record['hosts']}'s share; reading the whole cache it was "
+          f"staged from, {record['source']} (CACHE= or cache= names another)", file=sys.stderr)
+    return record["source"]
+
+
 def run_shares(cfg, rows: list[dict], host: int, hosts: int) -> tuple[list[list[int]], dict[str, int] | None]:
     """(every host's share of `rows`, the bytes they were dealt by) for a run of `cfg` on host
     `host` of `hosts`; on a cache staged for one host, also checked to hold what this host reads."""
@@ -256,6 +270,7 @@ def run_shares(cfg, rows: list[dict], host: int, hosts: int) -> tuple[list[list[
 def main(argv=None) -> int:
     """`make stage CACHE=gs://... LOCAL=... CONFIG=... HOST=i HOSTS=n`: one host's share."""
     import argparse
+    import os
     import time
 
     from cache import stage
@@ -272,7 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config (make ARGS), as the run gets them")
     a = ap.parse_args(argv)
-    cfg = config.load(TrainConfig, a.config, [*a.overrides, f"data.cache={a.cache}"])
+    source = a.cache if fsio.is_remote(a.cache) else os.path.abspath(a.cache)  # the record names it for evaluation
+    cfg = config.load(TrainConfig, a.config, [*a.overrides, f"data.cache={source}"])
     t0 = time.perf_counter()
     plan = {}
 
