@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from bench import card_batch
+from train import plan
 from bench.device_report import PRODUCTION
 
 
@@ -126,17 +127,6 @@ def block_calls(cfg, grid, sizes) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         eager_step(student, target, *step_inputs(cfg, grid, sizes, card_batch(cfg)))
     return dict(seen)
-
-
-def step_flops(cfg, grid, sizes) -> float:
-    """One step's FLOPs (forward and backward; torch's counter), on fakes: no arithmetic runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    student, target = models(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as fc:
-        eager_step(student, target, *step_inputs(cfg, grid, sizes, card_batch(cfg)))
-    return float(fc.get_total_flops())
 
 
 # ----------------------------------------------------------------------------- the front end
@@ -347,7 +337,7 @@ def main(argv=None) -> int:
     sig = block_calls(cfg, grid, sizes)
     res["block_signatures"] = {str(k): v for k, v in sig.items()}
     res["fake_step_s"] = round(time.perf_counter() - t, 2)
-    res["step_tflops"] = round(step_flops(cfg, grid, sizes) / 1e12, 2)
+    res["step_tflops"] = round(plan.step_flops(cfg) * card_batch(cfg) / 1e12, 2)  # attention counted (train/plan.py)
     res["whole_step"] = whole_step(cfg, grid, sizes)
     res["per_block"] = per_block(sig, cfg.model.mlp_ratio)
     res["reuse"] = reuse()

@@ -6,7 +6,7 @@ leaderboard writes goes to the run's local folder (a gs:// run's: runs/<name>).
 
 The self-supervised loss says little about representation quality, so checkpoints are
 chosen by downstream score. A bounded set of each run's step_<N>.pt (`max_checkpoints`, evenly
-spaced, the newest always among them: `bounded`; latest.pt names the newest, so it is not probed
+spaced, the newest always among them: `bounded_steps`; latest.pt names the newest, so it is not probed
 again), stated with the estimated time before the first probe, goes through the same
 per-checkpoint probe as `make probe`, features extracted once per checkpoint and kept. Each checkpoint's result is stored as
 <run>/probe/leaderboard/step_<N>.json with the checkpoint's identity (name, size, modification
@@ -70,7 +70,7 @@ def stored_path(run: str, step: int) -> Path:
     return RunFolder(run_folder.local_folder(run)).stored_result(step)
 
 
-def bounded(steps: list[int], most: int) -> list[int]:
+def bounded_steps(steps: list[int], most: int) -> list[int]:
     """At most `most` of the saved steps, evenly spaced over them with the first and the newest
     among them (every Nth and the last); all of them when `most` is 0 or they are no more."""
     if not most or len(steps) <= most:
@@ -115,7 +115,7 @@ class Board:
         bounded set (`max_checkpoints`), and any other step already probed."""
         ckpt_dir = probe.run_checkpoint_dir(run)
         steps = checkpoint.list_steps(ckpt_dir)
-        chosen = set(bounded(steps, self.cfg.max_checkpoints))
+        chosen = set(bounded_steps(steps, self.cfg.max_checkpoints))
         stored = {rec.get("step"): rec for path in sorted(RunFolder(run_folder.local_folder(run)).stored_results_dir
                                                           .glob("step_*.json")) if (rec := _load_json(path))}
         done, todo = {}, []
@@ -338,7 +338,7 @@ def estimate_line(cfg: ProbeConfig, todo: list[tuple[str, int, str, dict]]) -> s
     architecture over the labelled rows, timed on one batch of them (after one to warm up) on the
     probes' device and scaled to all, times the checkpoints to probe; the heads are not counted."""
     run, _, uri, _ = todo[0]
-    saved = run_folder.run_config(run_folder.checkpoint_dir(run)) or run_folder.run_config(run)
+    saved = run_folder.stored_config(run_folder.checkpoint_dir(run)) or run_folder.stored_config(run)
     if saved:
         tcfg = saved_config(saved, uri)
         enc = features.checkpoint_encoder(None, train_cfg=tcfg)[0]

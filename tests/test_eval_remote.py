@@ -59,9 +59,9 @@ def test_a_run_stands_for_its_newest_checkpoint(tiny_run):
 
 def test_the_bounded_set_is_evenly_spaced_with_the_newest():
     steps = list(range(1000, 30001, 1000))
-    assert leaderboard.bounded(steps, 8) == [1000, 5000, 9000, 13000, 18000, 22000, 26000, 30000]
-    assert leaderboard.bounded(steps, 1) == [30000] and leaderboard.bounded(steps, 0) == steps
-    assert leaderboard.bounded(steps[:3], 8) == steps[:3]
+    assert leaderboard.bounded_steps(steps, 8) == [1000, 5000, 9000, 13000, 18000, 22000, 26000, 30000]
+    assert leaderboard.bounded_steps(steps, 1) == [30000] and leaderboard.bounded_steps(steps, 0) == steps
+    assert leaderboard.bounded_steps(steps[:3], 8) == steps[:3]
 
 
 def test_the_leaderboard_states_its_set_and_time_before_it_starts(tiny_run, capsys):

@@ -180,7 +180,7 @@ class Trainer(TrainLoop):
         """This process's stream of the training data: its host's share (train/shares.py)."""
         rt = self.rt
         return shares.ShareSampler(self.shares[rt.host], self.epoch_len, self.layout.per_process,
-                                   rt.local_rank if rt.kind != "xla" else 0, rt.local_world, self.cfg.seed,
+                                   rt.local_rank, rt.local_world, self.cfg.seed,
                                    start_batch, stop_batch)
 
     def train_loader(self, start_batch: int = 0, stop_batch: int | None = None, volumes: bool = True,

@@ -67,7 +67,7 @@ def is_remote_run(run: str | Path) -> bool:
     return fsio.is_remote(str(run))
 
 
-def run_config(run: str | Path) -> dict | None:
+def stored_config(run: str | Path) -> dict | None:
     """The run's config.yaml (local or gs://) as a dict; None when it has none."""
     try:
         return yaml.safe_load(fsio.read_text(fsio.join(str(run), CONFIG)))
@@ -81,7 +81,7 @@ def checkpoint_dir(run: str | Path) -> str:
     itself, unless it holds no step file and a checkpoints/ folder does (runs_dir on gs://)."""
     if not is_remote_run(run):
         return RunFolder(run).checkpoints()
-    cfg = run_config(run) or {}
+    cfg = stored_config(run) or {}
     if cfg.get("ckpt_dir"):
         return cfg["ckpt_dir"]
     run = str(run).rstrip("/")
@@ -97,7 +97,7 @@ def local_folder(run: str | Path, runs_dir: str = "runs") -> Path:
     run runs/<name> (its config's runs_dir and name; without a config, the folder's last part)."""
     if not is_remote_run(run):
         return Path(run)
-    cfg = run_config(run) or {}
+    cfg = stored_config(run) or {}
     return Path(cfg.get("runs_dir") or runs_dir) / (cfg.get("name") or str(run).rstrip("/").rsplit("/", 1)[-1])
 
 
