@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_train_args
 from cache import stage
 from octfm import config, fsio
+from octfm.config import ConfigError
 from octfm.errors import DataError
 from train import data, pretrain, runtime, shares
 from train.config import TrainConfig
@@ -87,7 +88,8 @@ def test_a_host_staged_share_trains_and_another_hosts_cache_is_refused(tiny_cach
     """`make stage HOST=i HOSTS=2` (train.shares.main, as the Makefile runs it) copies host i's share of
     the training volumes, the val rows validation reads and the online probe's rows, and a record;
     the two shares are disjoint and cover the training volumes. Host 1's trainer deals the same shares
-    from the record and reads two epochs from its copy alone; host 0's copy is refused on host 1."""
+    from the record and reads two epochs from its copy alone; resident volumes (every training volume on
+    each process) are refused on several hosts; host 0's copy is refused on host 1."""
     over = tiny_train_args(tiny_cache, tmp_path / "runs", val_every=2, val_batches=1, eval_every=2,
                            **{"online_probe.max_train": 2, "online_probe.max_val": 2})
     over = [o for o in over if not o.startswith("data.cache=")]
@@ -115,5 +117,9 @@ def test_a_host_staged_share_trains_and_another_hosts_cache_is_refused(tiny_cach
         in tr.share_line()
     sampler, dl = tr.train_loader(0, 2 * tr.sampler().batches_per_epoch)
     assert sum(1 for _ in dl) == 2 * sampler.batches_per_epoch                  # every read from host 1's copy
+    always = pretrain.Trainer(config.load(TrainConfig, SMOKE, [*over, f"data.cache={local[1]}", "global_batch=2",
+                                                               "data.resident=always"]), rt)
+    with pytest.raises(ConfigError, match="data.resident: always loads all .* each of the 2 hosts reads only its share"):
+        always.wants_resident()                   # the resident tensor would hold volumes this host never staged
     with pytest.raises(DataError, match=r"holds host 0 of 2's share .* this is host 1 of 2"):
         pretrain.Trainer(config.load(TrainConfig, SMOKE, [*over, f"data.cache={local[0]}", "global_batch=2"]), rt)

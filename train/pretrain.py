@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from octfm import cli, config, fsio, procs
+from octfm.config import ConfigError
 from train import (batching, checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule,
                    shares)
 from train.config import TrainConfig, per_process_batch
@@ -208,10 +209,17 @@ class Trainer(TrainLoop):
     def wants_resident(self) -> bool:
         """`data.resident`, decided once per run and kept in its checkpoints (resident.on_resume):
         resident only when every process's volumes fit (Runtime.all_true), so no rank takes the
-        other path, whose crops differ."""
+        other path, whose crops differ; never on several hosts, which each read their own share."""
         if self.on_device is None:
             d = self.cfg.data
-            self.on_device = self.rt.all_true(resident.wanted(d.resident, self.rt.device, self.rows, d.stride))
+            if self.rt.hosts > 1:  # the resident tensor holds every training volume; each host holds its share
+                if d.resident == "always":
+                    raise ConfigError(f"data.resident: always loads all {len(self.rows)} training volumes on every "
+                                      f"process, but each of the {self.rt.hosts} hosts reads only its share: set "
+                                      f"data.resident=never (auto keeps the loader on several hosts)")
+                self.on_device = False
+            else:
+                self.on_device = self.rt.all_true(resident.wanted(d.resident, self.rt.device, self.rows, d.stride))
         return self.on_device
 
     def load_resident(self, progress: bool) -> None:
