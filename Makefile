@@ -1,5 +1,7 @@
-# octfm: every stage is a make target. Variables (see README): SRC DST SOURCE CACHE LOCAL
-# CONFIG ARGS CKPT RUN RUNS OUT SHARD STRICT ZIPPED. `make demo` and `make test` set everything up themselves.
+# octfm: every stage is a make target. Variables (see README, `make help`): SRC DST SOURCE CACHE LOCAL CONFIG ARGS
+# CKPT RUN RUNS OUT SHARD SHARDS STRICT ZIPPED LAYOUT OCT_MANIFEST PARTICIPANTS HOST HOSTS ACCEL CHIPS NPROC NNODES
+# NODE_RANK MASTER_ADDR MASTER_PORT TORCH TORCH_INDEX; the learning check's SIZE CUE SEED LABELS CURVE FINETUNE
+# FT_SEEDS RESULT. `make demo` and `make test` set everything up themselves.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -29,6 +31,12 @@ RUN    ?=
 RUNS   ?=
 OUT    ?=
 NPROC  ?= 1
+NNODES ?= 1
+NODE_RANK   ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+HOST   ?=
+HOSTS  ?=
 
 strict_flag = $(if $(filter 1 true yes,$(STRICT)),--strict)
 shard_flag  = $(if $(SHARD),--shard $(SHARD)) $(if $(SHARDS),--shards $(SHARDS))
@@ -37,8 +45,10 @@ cache_cfg   = --config $(if $(CONFIG),$(CONFIG),configs/cache.yaml)
 ckpt_flag   = $(if $(CKPT),--ckpt $(CKPT))
 run_flags   = $(foreach r,$(RUN) $(RUNS),--run $(r))
 local_cache = $(if $(filter command line environment,$(origin LOCAL)),data.cache=$(LOCAL))
-# one process, or torchrun with NPROC processes (DDP: gloo on CPU, nccl on CUDA); XLA runs one process per host
-launch      = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --nproc_per_node $(NPROC),$(PY))
+# one process, or torchrun with NPROC processes on each of NNODES nodes (DDP: gloo on CPU, nccl on CUDA; NODE_RANK,
+# MASTER_ADDR and MASTER_PORT as torchrun's static rendezvous takes them); XLA runs one process per host
+nodes_flags = $(if $(filter-out 1,$(NNODES)),--nnodes $(NNODES) --node_rank $(NODE_RANK) --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT))
+launch      = $(if $(filter-out 1,$(NPROC) $(NNODES)),$(PY) -m torch.distributed.run $(nodes_flags) --nproc_per_node $(NPROC),$(PY))
 
 # The torch_xla lane: its own venv outside the clone, keyed by its requirements, reused by CI.
 XLA_REQ  := torch==2.9.0 torch_xla==2.9.0
@@ -46,30 +56,31 @@ XLA_KEY  := $(shell echo "$(XLA_REQ)" | sha1sum | cut -c1-10)
 XLA_VENV ?= $(HOME)/.cache/octfm/xla-venv-$(XLA_KEY)
 XPY      := $(XLA_VENV)/bin/python
 
-.PHONY: help venv demo test test-heavy test-deps test-xla xla-venv bench results learning-check learning-check-device mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan need-expand
+.PHONY: help venv venv-tpu demo test test-heavy test-deps test-xla xla-venv bench results learning-check learning-check-device mirror manifest cache expand stage pretrain probe finetune leaderboard report export embed clean-demo plan wheelhouse device-check need-export need-embed need-pretrain need-plan need-expand need-stage
 
 help:
 	@echo "octfm: the commands, in the order a user runs them (README.md; docs/README.md for the rest)"
 	@echo "make venv [TORCH_INDEX=<wheel index URL>]   .venv with torch==2.13.0 first, then the project (demo and test make it too)"
-	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache (local folders as buckets)"
+	@echo "make venv-tpu        on a Cloud TPU VM: uv (installed when missing), Python 3.11, torch 2.9 + torch_xla 2.9 (the tpu extra)"
+	@echo "make demo            synthetic AI-READI tree -> mirror -> manifest -> cache -> smoke pretraining -> probes, leaderboard, report"
 	@echo "make demo ZIPPED=1   the same with the DICOMs in per-device ZIP archives, read in place"
 	@echo "make demo LAYOUT=repack   the same from a bucket packed as one research group packs theirs (tables at the root, <device>/<device>.zip)"
 	@echo "make test            the test suite (real rclone, GCS emulator and S3 server on loopback)"
 	@echo ""
-	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset"
+	@echo "make mirror SRC=b2:bucket/dataset DST=gs://bucket/dataset [ARGS='--transfers 32 --checkers 64 --retries 5 --low-level-retries 20 --retries-sleep 10s']"
 	@echo "make manifest SOURCE=<dataset root> [CACHE=...] [OCT_MANIFEST=<path>] [PARTICIPANTS=<path>] [CONFIG=configs/cache.yaml]"
 	@echo "make cache SOURCE=... CACHE=... [CONFIG=configs/cache.yaml] [ARGS='k=v ...'] [SHARD=i/N] [STRICT=1]"
 	@echo "make expand SOURCE=<zipped dataset root> DST=<folder or gs://...> [STRICT=1]"
 	@echo "make report CACHE=... [RUN=runs/<name>] [OUT=report.html]   one HTML page: cache QC, curves, probes"
-	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache"
-	@echo "make plan CONFIG=... ACCEL=tpu-v4|tpu-v5e|tpu-v5p|h100|h200 [CHIPS=N]   per-chip memory: does it fit, the largest batch"
-	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [LOCAL=<staged cache>] [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=8]"
+	@echo "make stage CACHE=gs://... LOCAL=/mnt/ssd/cache [CONFIG=<pretraining config> HOST=i HOSTS=n: one host's share] [ARGS='k=v ...']"
+	@echo "make plan CONFIG=... ACCEL=tpu-v4|tpu-v5e|tpu-v5p|h100|h200 [CHIPS=N]   the batch per chip, memory, step time and chip-hours (estimate)"
+	@echo "make pretrain CONFIG=configs/pretrain_smoke.yaml [LOCAL=<staged cache>] [ARGS='optim.lr=3e-4 max_steps=50'] [CKPT=...] [NPROC=8] [NNODES=n NODE_RANK=i MASTER_ADDR=host]"
 	@echo ""
-	@echo "make probe CONFIG=configs/probe.yaml [CKPT=...] [ARGS='run=runs/<name>']"
-	@echo "make leaderboard RUN=runs/<name> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='epochs=30']"
+	@echo "make probe RUN=<runs/<name> or gs://...> | CKPT=<checkpoint> [CONFIG=configs/probe.yaml] [ARGS='device=cuda epochs=30']"
+	@echo "make leaderboard RUN=<runs/<name> or gs://...> [RUNS='runs/b runs/c'] [CONFIG=configs/probe.yaml] [ARGS='max_checkpoints=8']"
 	@echo "make finetune CKPT=<checkpoint or model folder> [CONFIG=configs/finetune.yaml] [ARGS='task=diabetic label_fraction=0.1'] [NPROC=2]"
-	@echo "make export CKPT=<checkpoint> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
-	@echo "make embed CKPT=<checkpoint> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
+	@echo "make export CKPT=<checkpoint or run> OUT=<model folder>   the EMA encoder as safetensors + config.json + model card"
+	@echo "make embed CKPT=<checkpoint or run> [CACHE=...] [OUT=...]   <run>/embeddings.parquet: one row per volume, pooled embedding"
 	@echo "make learning-check  [SIZE=cpu|gpu] [CUE=lesions|layers|scanners] [SEED=29] [SOURCE=<labelled root>] [LABELS=1 | CURVE=1] [FINETUNE=1 [FT_SEEDS=3]] [ARGS='max_steps=3000 --set random_draws=1']: pretrained vs random-init, a verdict line per question (CURVE: a supervised reference at 10, 25 and 100% of labels, not only 10%; --set: any CheckConfig key, check/config.py)"
 	@echo "make results RESULT=runs/learning_check/<cue>/result.json   that run's line in README's Results table (docs/results.jsonl)"
 	@echo ""
@@ -87,14 +98,31 @@ venv: $(STAMP)
 # torch first, pinned; pyproject only says torch>=2.9. From PyPI on Linux x86-64 this is a CUDA build (a GPU
 # node needs nothing more); where a CPU build lies on disk (CI) pip takes that. TORCH_INDEX=<wheel index URL> picks
 # another build, e.g. https://download.pytorch.org/whl/cu130 for CUDA 13 or .../whl/cpu for a CPU-only machine.
+# A TPU VM's venv (make venv-tpu, marked .venv/.tpu) is uv's, with the torch the tpu extra pins beside torch_xla:
+# a later change of pyproject.toml refreshes it with uv and that extra, never with pip or TORCH.
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
+UV          ?= $(or $(shell command -v uv 2>/dev/null),$(HOME)/.local/bin/uv)
+tpu_venv     = $(wildcard $(VENV)/.tpu)
 $(STAMP): pyproject.toml
+ifneq ($(tpu_venv),)
+	$(UV) pip install -q --python $(PY) -e '.[tpu,test]'
+else
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test,bench]'
+endif
 	touch $@
+
+# A Cloud TPU VM (its images carry Python 3.10; zarr 3.1 needs 3.11): uv brings a managed 3.11 and installs the
+# project with the tpu extra (torch 2.9 + torch_xla[tpu] 2.9, as `make test-xla`).
+venv-tpu:
+	test -x $(UV) || curl -LsSf https://astral.sh/uv/install.sh | sh
+	test -x $(PY) || $(UV) venv --python 3.11 $(VENV)
+	touch $(VENV)/.tpu
+	$(UV) pip install -q --python $(PY) -e '.[tpu,test]'
+	touch $(STAMP)
 
 # The demo cohort: the lesion generator with its per-eye confounders, plus an easy class cue (inner
 # nuclear layer thickness, --signal) so a 150-step run's probes are above chance; cached small, on the grid
@@ -194,14 +222,16 @@ cache: $(STAMP)
 expand: need-expand $(STAMP)
 	$(PY) -m ingest.expand --source $(SOURCE) --dst $(DST) $(strict_flag)
 
-stage: $(STAMP)
-	$(PY) -m cache.stage --cache $(CACHE) --local $(LOCAL)
+# HOSTS=n: host HOST's share of the training volumes and what every host reads besides, for CONFIG (train/shares.py)
+stage: need-stage $(STAMP)
+	$(if $(HOSTS),$(PY) -m train.shares --config $(CONFIG) --host $(HOST) --hosts $(HOSTS),$(PY) -m cache.stage) \
+	  --cache $(CACHE) --local $(LOCAL) $(if $(HOSTS),$(ARGS))
 
 report: $(STAMP)
 	$(PY) -m report --cache $(CACHE) $(if $(RUN),--run $(RUN)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 probe: $(STAMP)
-	$(PY) -m evals.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(ARGS)
+	$(PY) -m evals.probe --config $(if $(CONFIG),$(CONFIG),configs/probe.yaml) $(ckpt_flag) $(if $(RUN),run=$(RUN)) $(ARGS)
 
 finetune: $(STAMP)
 	$(launch) -m evals.finetune --config $(if $(CONFIG),$(CONFIG),configs/finetune.yaml) $(ckpt_flag) $(ARGS)
@@ -232,6 +262,8 @@ need-expand:
 	$(if $(filter file,$(origin SOURCE) $(origin DST)),$(error make expand: set SOURCE=<zipped dataset root> and DST=<folder or gs://...>))
 need-plan:
 	$(if $(CONFIG),,$(error make plan: set CONFIG=configs/<file>.yaml ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200>))
+need-stage:
+	$(if $(HOSTS),$(if $(and $(CONFIG),$(HOST)),,$(error make stage HOSTS=$(HOSTS): set HOST=<this host, 0 to HOSTS-1> and CONFIG=<the pretraining config the hosts run>)))
 
 clean-demo:
 	rm -rf data/demo data/cache runs/pretrain_smoke

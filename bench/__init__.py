@@ -19,3 +19,14 @@ def replace_block(page: Path, begin: str, end: str, lines: list[str]) -> bool:
     _, tail = rest.split(end, 1)
     page.write_text(head + begin + "\n" + "".join(f"{ln}\n" for ln in lines) + end + tail)
     return True
+
+
+NODE_GPUS = 8  # the GPU recipe's node (README): a card's batch is the global batch over its 8 cards
+
+
+def card_batch(cfg) -> int:
+    """The volumes one card takes per micro-step in the GPU recipe (`global_batch` over a node of
+    NODE_GPUS, train/batching.py): what a single-card measurement of the production step runs."""
+    from train import batching
+
+    return batching.layout(cfg.global_batch, cfg.chip_batch, NODE_GPUS, NODE_GPUS).per_chip

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import card_batch
 from octfm import config
 from train import data, masks
 from train.config import TrainConfig
@@ -43,13 +44,13 @@ def run(workdir: Path, quick: bool = False):
             times[name].append((time.perf_counter() - t0) / reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     workers = data.loader_workers(cfg.data.workers)  # the config's null: from this host's cores, as training takes it
-    res = {"ms_per_sample": {k: round(1000 * v, 1) for k, v in med.items()}, "batch_size": cfg.batch_size,
+    res = {"ms_per_sample": {k: round(1000 * v, 1) for k, v in med.items()}, "batch_size": card_batch(cfg),
            "workers": workers, "shape": list(cfg.data.input_shape), "rounds": rounds}
     extra = med["data.scale [0.8, 1.0]"] - med["crop + flip"]
-    res["extra_ms_per_batch_per_worker"] = round(1000 * extra * cfg.batch_size / workers, 1)
+    res["extra_ms_per_batch_per_worker"] = round(1000 * extra * card_batch(cfg) / workers, 1)
     lines = [f"## Training crop at production size ({' x '.join(map(str, cfg.data.input_shape))}, one sample, host side)",
              "", "| transforms | ms per sample (median) |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in res["ms_per_sample"].items()]
     lines += ["", f"data.scale adds {1000 * extra:.0f} ms per sample: {res['extra_ms_per_batch_per_worker']} ms per "
-              f"batch of {cfg.batch_size} per worker with data.workers={workers} (it overlaps the step)."]
+              f"batch of {card_batch(cfg)} per worker with data.workers={workers} (it overlaps the step)."]
     return res, lines

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from bench import card_batch
+from train import plan
 from bench.device_report import PRODUCTION
 
 
@@ -123,19 +125,8 @@ def block_calls(cfg, grid, sizes) -> dict:
         if isinstance(m, Block):
             m.register_forward_pre_hook(hook)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        eager_step(student, target, *step_inputs(cfg, grid, sizes, cfg.batch_size))
+        eager_step(student, target, *step_inputs(cfg, grid, sizes, card_batch(cfg)))
     return dict(seen)
-
-
-def step_flops(cfg, grid, sizes) -> float:
-    """One step's FLOPs (forward and backward; torch's counter), on fakes: no arithmetic runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    student, target = models(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as fc:
-        eager_step(student, target, *step_inputs(cfg, grid, sizes, cfg.batch_size))
-    return float(fc.get_total_flops())
 
 
 # ----------------------------------------------------------------------------- the front end
@@ -209,9 +200,9 @@ def whole_step(cfg, grid, sizes) -> dict:
     from train import data
 
     student, target = models(cfg)
-    x, aug, pairs = step_inputs(cfg, grid, sizes, cfg.batch_size)
+    x, aug, pairs = step_inputs(cfg, grid, sizes, card_batch(cfg))
     xn = data.normalize(x, aug)
-    targets = torch.zeros(cfg.batch_size, grid.tokens, cfg.model.dim)  # the target's output: its value is not read
+    targets = torch.zeros(card_batch(cfg), grid.tokens, cfg.model.dim)  # the target's output: its value is not read
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         tgt = front_end(target, xn)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -340,13 +331,13 @@ def main(argv=None) -> int:
     route_as_cuda()
     res = {"torch": torch.__version__, "cpus": len(os.sched_getaffinity(0)), "load_before": uptime()}
     cfg, grid, sizes = production_step()
-    res["tokens"], res["batch"] = grid.tokens, cfg.batch_size
+    res["tokens"], res["batch"] = grid.tokens, card_batch(cfg)
     res["first_use_s"] = warm_up()
     t = time.perf_counter()
     sig = block_calls(cfg, grid, sizes)
     res["block_signatures"] = {str(k): v for k, v in sig.items()}
     res["fake_step_s"] = round(time.perf_counter() - t, 2)
-    res["step_tflops"] = round(step_flops(cfg, grid, sizes) / 1e12, 2)
+    res["step_tflops"] = round(plan.step_flops(cfg) * card_batch(cfg) / 1e12, 2)  # attention counted (train/plan.py)
     res["whole_step"] = whole_step(cfg, grid, sizes)
     res["per_block"] = per_block(sig, cfg.model.mlp_ratio)
     res["reuse"] = reuse()

@@ -49,6 +49,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
+from bench import card_batch
 from bench.device_report import CHECK, PRODUCTION, markdown
 from bench.recipe_bench import PLAIN
 from octfm import cli
@@ -221,7 +222,7 @@ class Sizes:
         self.participants = 6 if dry else 24
         self.scale = 16 if dry else 2
         self.production = TINY if dry else []       # overrides on the production config
-        self.batch = 2 if dry else None            # None: the config's (16 per process)
+        self.batch = 2 if dry else None            # None: a card's batch in the GPU recipe (bench.card_batch: 16)
         self.steps = 2 if dry else 5               # timed steps per round (three rounds), then as many profiled
         # the GPU-size learning check's step (configs/pretrain_check_gpu.yaml): config, overrides, crop, batch, steps
         self.check = (CHECK, TINY if dry else [], [32, 96, 96], 2 if dry else 256, 2 if dry else 10)
@@ -332,7 +333,7 @@ if blocks:  # each block on its own (student and target): one graph per distinct
     for m in [*tr.model.modules(), *tr.target.modules()]:
         if isinstance(m, Block):
             m.compile(dynamic=False)
-_, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+_, dl = tr.train_loader(0)
 it = iter(dl)
 batches = [rt.to_device(next(it)) for _ in range(3)]
 tr.lr.fill_(1e-4); tr.momentum.fill_(0.99)
@@ -361,7 +362,7 @@ for r in range(3):
     sync(); rounds.append((time.perf_counter() - t) / {steps})
 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if rt.kind == "cuda" else None
 print(json.dumps({{"step_s": statistics.median(rounds), "rounds_s": rounds, "first_step_s": first,
-                  "tokens": tr.grid.tokens, "batch": cfg.batch_size, "flops_per_step": flops,
+                  "tokens": tr.grid.tokens, "batch": cfg.global_batch, "flops_per_step": flops,
                   "peak_gib": peak, "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
                   "compile": "per block" if blocks else cfg.compile}}), flush=True)  # the timing is kept if the profiling below fails
 if {profile}:
@@ -456,6 +457,14 @@ def plan_peak_gib(config_path: str, overrides: list[str], accel: str | None) -> 
     return plan.make_plan(config.load(TrainConfig, config_path, overrides), accel or "h100", 1).peak_gib
 
 
+def config_card_batch(config_path: str) -> int:
+    """A card's batch of a pretraining config in the GPU recipe (bench.card_batch)."""
+    from octfm import config
+    from train.config import TrainConfig
+
+    return card_batch(config.load(TrainConfig, config_path))
+
+
 def shape_arg(crop) -> str:
     return "data.input_shape=[" + ",".join(map(str, crop)) + "]"
 
@@ -472,7 +481,7 @@ def step_size(ctx: dict, name: str, config_path: str, overrides: list[str], crop
             f"device={s.device}", "precision=bf16", "data.workers=0", "wandb.enabled=false", "data.stride=[1,1,1]",
             "data.resident=never", shape_arg(crop)]
     whole = "true" if compile_ == "whole" else "false"
-    over = base + overrides + ([f"batch_size={batch}"] if batch else []) + [f"compile={whole}"]
+    over = base + overrides + [f"global_batch={batch or config_card_batch(config_path)}", f"compile={whole}"]
     r = run_json(_STEP_CODE.format(config=config_path, overrides=over, steps=steps, profile=profile,
                                    blocks=compile_ == "blocks"), timeout=remaining(ctx), env=env)
     r["flops_per_step"] = r["flops_per_step"] or flops
@@ -561,7 +570,7 @@ def reference(ctx: dict) -> dict:
     s = ctx["sizes"]
     batch = 2 if s.dry else 8  # both steps at the production crop without the stem and local term: vjepa2's work
     base = [f"data.cache={make_cache(ctx)}", f"runs_dir={ctx['work'] / 'runs'}", f"device={s.device}",
-            "data.workers=0", "wandb.enabled=false", "data.resident=never", f"batch_size={batch}",
+            "data.workers=0", "wandb.enabled=false", "data.resident=never", f"global_batch={batch}",
             shape_arg(s.crop), *PLAIN, *(TINY if s.dry else [])]
     shim = reference_bench.timm_shim(ctx["work"])
     rest = remaining(ctx)
@@ -622,7 +631,7 @@ def stem_conv(ctx: dict) -> dict:
     from octfm import config
     from train.config import TrainConfig
 
-    batch = s.batch or config.load(TrainConfig, PRODUCTION).batch_size
+    batch = s.batch or config_card_batch(PRODUCTION)
     r = run_json(_STEM_CODE.format(config=PRODUCTION, overrides=s.production, device=s.device, batch=batch,
                                    crop=s.crop, steps=s.steps), timeout=remaining(ctx))
     if "on" in r:
@@ -646,14 +655,14 @@ def check_cache(ctx: dict) -> Path:
 def check_step(ctx: dict, items: dict[str, Item]) -> dict:
     """The GPU-size learning check's pretraining step at its batch (256), `items`' variants (eager;
     compiled, each block on its own), each profiled, with what the check's `max_steps` x
-    `batch_size` samples take at that step."""
+    `global_batch` samples take at that step."""
     from octfm import config
     from train.config import TrainConfig
 
     s = ctx["sizes"]
     path, over, crop, batch, steps = s.check
     recipe = config.load(TrainConfig, path)
-    samples = recipe.max_steps * recipe.batch_size  # what the check's pretraining trains on
+    samples = recipe.max_steps * recipe.global_batch  # what the check's pretraining trains on
 
     def one(name, spec, done):
         r = step_size(ctx, f"check_{name}", path, over, crop, batch, steps, compile_=spec[0], cache=check_cache(ctx),
@@ -680,7 +689,7 @@ def real_run(ctx: dict) -> dict:
     args = [sys.executable, "-m", "train.pretrain", "--config", PRODUCTION, "--no-progress", f"device={s.device}",
             f"data.cache={make_cache(ctx)}", f"runs_dir={run}", "name=device_run", "data.resident=never",
             shape_arg(s.crop), f"max_steps={steps}", f"log_every={max(1, steps // 10)}", "val_every=0", "eval_every=0",
-            f"ckpt_every={steps}", "wandb.enabled=false", *s.production, *([f"batch_size={s.batch}"] if s.batch else [])]
+            f"ckpt_every={steps}", "wandb.enabled=false", *s.production, f"global_batch={s.batch or config_card_batch(PRODUCTION)}"]
     t = time.perf_counter()
     try:
         r = subprocess.run(args, capture_output=True, text=True, timeout=remaining(ctx))
@@ -694,7 +703,7 @@ def real_run(ctx: dict) -> dict:
     return {"workers": data.loader_workers(None), "steps": steps, "run_s": time.perf_counter() - t,
             "startup_s": start.get("total_s"), "data_wait_frac": statistics.mean(x["data_wait_frac"] for x in recs),
             "run_samples_per_s": statistics.mean(x["samples_per_s"] for x in recs),
-            "batch": s.batch or config.load(TrainConfig, PRODUCTION).batch_size}
+            "batch": s.batch or config_card_batch(PRODUCTION)}
 
 
 # sections of one item each; production and check run their variants (`variants`)

@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.train_bench import _STEP_CODE, _make_cache, _run_json
 
 PROD = "configs/pretrain_multi_domain.yaml"
-AT_CPU_SIZE = ["data.input_shape=[32,96,96]", "batch_size=2", "precision=fp32", "device=cpu", "data.workers=0",
+AT_CPU_SIZE = ["data.input_shape=[32,96,96]", "global_batch=2", "precision=fp32", "device=cpu", "data.workers=0",
                "wandb.enabled=false"]
 PLAIN = ["model.stem=[]", "model.stem_pool=none", "model.pool=mean", "loss.local=0.0"]  # plain V-JEPA: what vjepa2 computes
 

@@ -69,7 +69,7 @@ for name, extra in variants.items():
     trainers[name] = pretrain.Trainer(cfg, runtime.setup({device!r}, cfg.precision))
 tr = next(iter(trainers.values()))
 cfg = tr.cfg
-_, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+_, dl = tr.train_loader(0)
 it = iter(dl)
 batches = [tr.rt.to_device(next(it)) for _ in range(4)]
 for t in trainers.values():

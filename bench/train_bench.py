@@ -16,13 +16,13 @@ from bench import verdict
 
 SMOKE = "configs/pretrain_smoke.yaml"
 VITS = ["model.dim=384", "model.depth=6", "model.heads=6", "model.pred_dim=192", "model.pred_depth=4",
-        "model.pred_heads=6", "data.input_shape=[32,96,96]", "batch_size=2", "precision=fp32"]
+        "model.pred_heads=6", "data.input_shape=[32,96,96]", "global_batch=2", "precision=fp32"]
 CPU = ["device=cpu", "precision=fp32", "data.workers=0", "wandb.enabled=false"]
 # name, config, overrides, timed steps (full, quick): ViT-B at batch 1 (9,216 tokens a volume; its FLOPs
 # scale with the batch), a single timed step: on a CPU it is for the FLOP count and memory, not speed
 CONFIGS = [("smoke", SMOKE, [], (20, 5)), ("vit_s", SMOKE, VITS, (20, 5)),
            ("check", "configs/pretrain_check.yaml", [], (20, 5)),
-           ("vit_b", "configs/pretrain_multi_domain.yaml", ["batch_size=1"], (2, 1))]
+           ("vit_b", "configs/pretrain_multi_domain.yaml", ["global_batch=1"], (2, 1))]
 
 _STEP_CODE = """
 import json, sys, time, torch
@@ -34,7 +34,7 @@ def hwm():
     return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
 cfg = config.load(TrainConfig, {config!r}, {overrides!r})
 tr = pretrain.Trainer(cfg, runtime.setup("cpu", cfg.precision))
-_, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+_, dl = tr.train_loader(0)
 it = iter(dl)
 n = {steps}
 batches = [tr.rt.to_device(next(it)) for _ in range(min(4, n + 1))]
@@ -48,7 +48,7 @@ for i in range(n):
     tr.update([batches[i % len(batches)]], tr.model)
 dt = (time.perf_counter() - t) / n
 ctx = [int(m.shape[1]) for k, m in batches[0].items() if k.startswith("ctx_")]
-print(json.dumps({{"step_s": dt, "tokens": tr.grid.tokens, "context_tokens": ctx, "batch": cfg.batch_size,
+print(json.dumps({{"step_s": dt, "tokens": tr.grid.tokens, "context_tokens": ctx, "batch": cfg.global_batch,
                   "peak_mb": hwm() / 1024, "flops_per_step": fc.get_total_flops(),
                   "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6}}))
 """
@@ -60,7 +60,7 @@ from train import pretrain, runtime
 from train.config import TrainConfig
 cfg = config.load(TrainConfig, {config!r}, {overrides!r})
 tr = pretrain.Trainer(cfg, runtime.setup("cpu", cfg.precision))
-_, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+_, dl = tr.train_loader(0)
 it = iter(dl)
 for _ in range(4):
     next(it)
@@ -69,7 +69,7 @@ t = time.perf_counter()
 for _ in range(n):
     next(it)
 dt = time.perf_counter() - t
-print(json.dumps({{"volumes_per_s": n * cfg.batch_size / dt, "workers": cfg.data.workers}}))
+print(json.dumps({{"volumes_per_s": n * cfg.global_batch / dt, "workers": cfg.data.workers}}))
 """
 
 

@@ -12,7 +12,7 @@ import torch
 from evals import features
 from evals.config import FinetuneConfig
 from octfm import cli
-from train import checkpoint, data, encoder
+from train import checkpoint, data, encoder, shares
 from train.config import DataConfig, TrainConfig
 from train.model import Encoder
 
@@ -45,8 +45,9 @@ def load_backbone(cfg: FinetuneConfig) -> Backbone:
         torch.manual_seed(training_seed(cfg))
         enc = Encoder(tcfg.model, tcfg.data.input_shape)
         ident = {**ident, "init": "random", "seed": training_seed(cfg)}
-    if cfg.cache:
-        tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(tcfg.data, cache=cfg.cache))
+    cache = cfg.cache or shares.whole_cache(tcfg.data.cache, "finetune")
+    if cache != tcfg.data.cache:
+        tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(tcfg.data, cache=cache))
     return Backbone(enc, tcfg, ident)
 
 

@@ -26,7 +26,9 @@ class ProbeConfig:
     standardize: bool = True           # each feature channel scaled by the training rows' statistics (docs/recipe.md, Probes)
     token_pool: tuple[int, int, int] = (1, 2, 2)   # token grid pooling kept for the attentive probe
     extract_batch: int = 4
-    device: str = "cpu"                # feature extraction and the probe heads' training
+    # feature extraction and the probe heads' training; auto: the accelerator when there is one (CUDA, a TPU
+    # through torch_xla: the features there, the heads on the CPU), else the CPU (train/runtime.py device_for)
+    device: str = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # feature extraction; auto: bf16 autocast on cuda
     bootstrap: int = 1000
     per_device: bool = True
@@ -38,12 +40,18 @@ class ProbeConfig:
                                        # a generated cohort's own
     shuffle_labels: bool = False       # a control: labels permuted across participants
     seed: int = 0
+    # `make leaderboard`: at most this many of a run's checkpoints are probed, evenly spaced over its saved
+    # steps with the newest always among them (every Nth and the last); 0: every one. Stated before it starts,
+    # with the estimated time
+    max_checkpoints: int = 8
 
     def __post_init__(self):
         if self.min_steps < 0:
             raise FieldError("min_steps", f"{self.min_steps} is negative")
         if self.baseline_draws < 1:
             raise FieldError("baseline_draws", f"{self.baseline_draws}; needs at least 1")
+        if self.max_checkpoints < 0:
+            raise FieldError("max_checkpoints", f"{self.max_checkpoints}: needs 0 (every checkpoint) or more")
 
 
 @dataclasses.dataclass

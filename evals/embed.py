@@ -32,7 +32,7 @@ from evals.config import ProbeConfig
 from manifests import schema
 from manifests.aireadi import SPLITS
 from octfm import cli, config, fsio
-from train import data, encoder
+from train import data, encoder, runtime, shares
 from train.run_folder import RunFolder
 
 KEYS = ("participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label",
@@ -125,15 +125,19 @@ def assemble(out: Path, files: list[Path], rows: list[dict], schema: pa.Schema) 
 
 
 def embed(ckpt: str, cache: str | None = None, out: str | None = None, batch: int = 4, chunk: int = 256,
-          device: str = "cpu", progress: bool = True, precision: str = "auto") -> dict:
-    """One output at a time (`<out>.lock`): a second run on it while the first lives is refused."""
+          device: str = "auto", progress: bool = True, precision: str = "auto") -> dict:
+    """One output at a time (`<out>.lock`): a second run on it while the first lives is refused.
+    `ckpt`: a checkpoint, latest.pt or a run (local or gs://: its newest); `device` auto: the
+    accelerator when there is one (train/runtime.py device_for)."""
+    device = runtime.device_for(device)
     enc, cfg, ident = features.checkpoint_encoder(ckpt)
     out_path = Path(out) if out else RunFolder(Path(cfg.runs_dir) / cfg.name).embeddings
     out_path.parent.mkdir(parents=True, exist_ok=True)
     lock = out_path.with_name(out_path.name + ".lock")
     try:
         with fsio.pid_lock(lock, on_stale=lambda m: print(f"embed: {m}", file=sys.stderr)):
-            return _embed(enc, cfg, ident, cache or cfg.data.cache, out_path, batch, chunk, device, progress,
+            return _embed(enc, cfg, ident, cache or shares.whole_cache(cfg.data.cache, "embed"), out_path, batch, chunk,
+                          device, progress,
                           features.resolve_precision(precision, device))
     except fsio.Busy as exc:
         raise cli.UsageError(f"--out {out_path}: another make embed is writing it ({exc}); wait for it to "
@@ -183,17 +187,18 @@ def _embed(enc, cfg, ident: dict, cache: str, out_path: Path, batch: int, chunk:
     with contextlib.suppress(OSError):
         parts.parent.rmdir()  # when no other key's chunks wait there
     return {"out": str(out_path), "rows": n, "embedded": len(todo) - reused, "from_probe_features": reused,
-            "already_done": len(rows) - len(todo), "dim": cfg.model.dim, "cache": cache, "precision": precision}
+            "already_done": len(rows) - len(todo), "dim": cfg.model.dim, "cache": cache, "precision": precision,
+            "device": device}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="make embed", description=__doc__)
-    ap.add_argument("--ckpt", required=True, help="a training checkpoint (local or gs://)")
+    ap.add_argument("--ckpt", required=True, help="a training checkpoint, or a run (its newest; local or gs://)")
     ap.add_argument("--cache", default=None, help="default: the cache the checkpoint was trained on")
     ap.add_argument("--out", default=None, help="default: <run>/embeddings.parquet")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=256, help="rows per resumable chunk")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="auto: the accelerator when there is one, else cpu")
     ap.add_argument("--precision", choices=features.PRECISIONS, default="auto",
                     help="auto: bf16 autocast on cuda, float32 elsewhere")
     ap.add_argument("--no-progress", action="store_true")
@@ -202,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise cli.UsageError("--batch and --chunk must be at least 1")
     t0 = time.perf_counter()
     res = embed(a.ckpt, a.cache, a.out, a.batch, a.chunk, a.device, progress=not a.no_progress, precision=a.precision)
-    print(f"embed: {res['rows']} volumes of {res['cache']} -> {res['out']} (embedding dim {res['dim']}): "
+    print(f"embed: {res['rows']} volumes of {res['cache']} -> {res['out']} (embedding dim {res['dim']}, on "
+          f"{res['device']}): "
           f"{res['embedded']} embedded, {res['from_probe_features']} from the probes' features, "
           f"{res['already_done']} already done; {time.perf_counter() - t0:.1f}s")
     print(f"embed: import pandas as pd; df = pd.read_parquet({res['out']!r})")

@@ -20,7 +20,7 @@ from evals import features
 from ingest import preprocess as prep
 from manifests import layout
 from octfm import cli, config, fsio, procs
-from train import checkpoint, data, encoder
+from train import checkpoint, data, encoder, shares
 from train.config import TrainConfig
 from train.model import objective
 from train.run_folder import RunFolder
@@ -68,7 +68,7 @@ def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) ->
         "loss": {**config.to_dict(cfg.loss), "objective": objective(cfg.loss)},
         "cache": cache,
         "training": {"run": cfg.name, "step": step, "checkpoint": ckpt, "max_steps": cfg.max_steps,
-                     "batch_size": cfg.batch_size, "splits": cfg.data.splits, "devices": cfg.data.devices},
+                     "global_batch": cfg.global_batch, "splits": cfg.data.splits, "devices": cfg.data.devices},
         "code": code_version(),
     }
 
@@ -99,8 +99,8 @@ def model_card(conf: dict, probes: tuple[str, dict]) -> str:
         "```python", "from train.encoder import load_encoder", "enc = load_encoder('<this folder>')",
         "out = enc(volumes)  # uint8 [B, D, H, W] cached volumes -> out.pooled [B, dim], out.tokens [B, N, dim]", "```",
         "",
-        f"- Weights: the EMA target encoder at step {t['step']} of {t['max_steps']} (batch {t['batch_size']} per "
-        f"process), from `{t['checkpoint']}`.",
+        f"- Weights: the EMA target encoder at step {t['step']} of {t['max_steps']} (global batch "
+        f"{t['global_batch']}), from `{t['checkpoint']}`.",
         f"- Architecture: ViT, dim {a['dim']}, depth {a['depth']}, {a['heads']} heads, tubelet {a['tubelet']}, "
         f"input {conf['input']['input_shape']} (stride {conf['input']['stride']}, centre crop), "
         f"token grid {conf['input']['grid']}.",
@@ -136,7 +136,8 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
 
     path, st = checkpoint.load_named(ckpt)
     enc, cfg, ident = features.checkpoint_encoder(path, state=st)
-    conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache or cfg.data.cache, cfg), enc.grid)
+    cache = cache or shares.whole_cache(cfg.data.cache, "export")
+    conf = encoder_config(cfg, ident["step"], ckpt, cache_provenance(cache, cfg), enc.grid)
     weights = save({k: v.contiguous() for k, v in enc.state_dict().items()}, metadata={"format": encoder.FORMAT})
     fsio.atomic_write_bytes(fsio.join(out, encoder.WEIGHTS_FILE), weights)
     if "finetune" in st:  # a `make finetune` best epoch: its task head beside the encoder
@@ -154,7 +155,7 @@ def export(ckpt: str, out: str, cache: str | None = None) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="make export", description=__doc__)
-    ap.add_argument("--ckpt", required=True, help="a training checkpoint (local or gs://)")
+    ap.add_argument("--ckpt", required=True, help="a training checkpoint, or a run (its newest; local or gs://)")
     ap.add_argument("--out", required=True, help="the model folder to write")
     ap.add_argument("--cache", default=None, help="the cache it was trained on (default: the checkpoint's data.cache)")
     a = ap.parse_args(argv)

@@ -1,11 +1,14 @@
-"""`make leaderboard RUN=runs/a [RUNS="runs/b ..."]`: probe every saved checkpoint and rank them.
+"""`make leaderboard RUN=runs/a [RUNS="runs/b ..."]`: probe a run's checkpoints and rank them.
 
 A `make finetune` run folder among them contributes its report (best val epoch, on test) as is.
+A run is a local run folder or a gs:// one as a TPU run leaves it (train/run_folder.py); what the
+leaderboard writes goes to the run's local folder (a gs:// run's: runs/<name>).
 
 The self-supervised loss says little about representation quality, so checkpoints are
-chosen by downstream score. Every step_<N>.pt of each run (latest.pt names the newest, so
-it is not probed again) goes through the same per-checkpoint probe as `make probe`, features
-extracted once per checkpoint and kept. Each checkpoint's result is stored as
+chosen by downstream score. A bounded set of each run's step_<N>.pt (`max_checkpoints`, evenly
+spaced, the newest always among them: `bounded_steps`; latest.pt names the newest, so it is not probed
+again), stated with the estimated time before the first probe, goes through the same
+per-checkpoint probe as `make probe`, features extracted once per checkpoint and kept. Each checkpoint's result is stored as
 <run>/probe/leaderboard/step_<N>.json with the checkpoint's identity (name, size, modification
 time), the probe settings and a fingerprint of the labelled cache rows: a re-run probes only
 new or changed checkpoints. The table has one row per run, checkpoint and task (the head
@@ -26,10 +29,11 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from evals import probe
+from evals import features, probe
 from evals.config import ProbeConfig
 from octfm import cli, config, fsio, plots
-from train import checkpoint, run_folder
+from train import checkpoint, run_folder, runtime, shares
+from train.config import saved_config
 from train.metrics import read_splits
 from train.run_folder import RunFolder
 
@@ -40,8 +44,8 @@ RESULT_CODE = ("evals/probe.py",)
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
 # time by the number of scanners: off unless ARGS turns them back on (`make probe` has both).
 DEFAULTS = ["baselines=false", "cross_device=false"]
-# ProbeConfig keys that do not change a checkpoint's result (where it comes from, where it runs).
-NOT_IN_KEY = ("run", "ckpt", "device", "extract_batch")
+# ProbeConfig keys that do not change a checkpoint's result (where it comes from, where it runs, which are probed).
+NOT_IN_KEY = ("run", "ckpt", "device", "extract_batch", "max_checkpoints")
 METRICS = (("balanced_accuracy", "balanced_accuracy"), ("auroc", "auroc_macro_ovr"))
 VAL_COLUMNS = ["val_balanced_accuracy", "val_auroc"]
 
@@ -63,7 +67,17 @@ def settings_key(cfg: ProbeConfig) -> str:
 
 
 def stored_path(run: str, step: int) -> Path:
-    return RunFolder(run).stored_result(step)
+    return RunFolder(run_folder.local_folder(run)).stored_result(step)
+
+
+def bounded_steps(steps: list[int], most: int) -> list[int]:
+    """At most `most` of the saved steps, evenly spaced over them with the first and the newest
+    among them (every Nth and the last); all of them when `most` is 0 or they are no more."""
+    if not most or len(steps) <= most:
+        return list(steps)
+    if most == 1:
+        return [steps[-1]]
+    return sorted({steps[round(i * (len(steps) - 1) / (most - 1))] for i in range(most)})
 
 
 def _load_json(path: Path) -> dict | None:
@@ -79,6 +93,7 @@ class Board:
     def __init__(self, cfg: ProbeConfig):
         self.cfg, self.key = cfg, settings_key(cfg)
         self._fingerprints: dict[str, str] = {}
+        self.left_out: dict[str, int] = {}  # per run: saved checkpoints outside the bounded set
 
     def fingerprint(self, cache: str) -> str:
         if cache not in self._fingerprints:
@@ -96,18 +111,25 @@ class Board:
         return self.fingerprint(res["cache"]) == res["rows_fingerprint"]
 
     def plan(self, run: str) -> tuple[dict[int, dict], list[tuple[int, str, dict]]]:
-        """(stored results that hold, by step; checkpoints to probe as (step, uri, identity))."""
+        """(stored results that hold, by step; checkpoints to probe as (step, uri, identity)): the
+        bounded set (`max_checkpoints`), and any other step already probed."""
         ckpt_dir = probe.run_checkpoint_dir(run)
         steps = checkpoint.list_steps(ckpt_dir)
-        stored = {rec.get("step"): rec for path in sorted(RunFolder(run).stored_results_dir.glob("step_*.json"))
-                  if (rec := _load_json(path))}
+        chosen = set(bounded_steps(steps, self.cfg.max_checkpoints))
+        stored = {rec.get("step"): rec for path in sorted(RunFolder(run_folder.local_folder(run)).stored_results_dir
+                                                          .glob("step_*.json")) if (rec := _load_json(path))}
         done, todo = {}, []
+        self.left_out[run] = len(steps) - len(chosen)
         for step in steps:
+            rec = stored.get(step)
+            if step not in chosen and rec is None:
+                continue
             uri = checkpoint.step_uri(ckpt_dir, step)
             ident = checkpoint.identity(uri)
-            rec = stored.get(step)
             if self.fresh(rec, ident):
                 done[step] = {**rec, "ckpt": uri, "ckpt_exists": True}
+            elif step not in chosen:
+                continue
             elif checkpoint.is_whole(uri):
                 todo.append((step, uri, ident))
             else:  # being written by a live run, or torn: a later call probes it when whole
@@ -119,10 +141,12 @@ class Board:
         return done, todo
 
     def probe(self, run: str, step: int, uri: str, ident: dict) -> dict:
-        res = probe.probe_checkpoint(self.cfg, uri, RunFolder(run).probe, reports=False)
+        t0 = time.perf_counter()
+        res = probe.probe_checkpoint(self.cfg, uri, RunFolder(run_folder.local_folder(run)).probe, reports=False)
         self._fingerprints.setdefault(res["cache"], res["rows_fingerprint"])
         rec = {"step": step, "ckpt": uri, "ckpt_identity": ident, "settings_key": self.key,
-               "settings": result_settings(self.cfg), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": res}
+               "settings": result_settings(self.cfg), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "seconds": round(time.perf_counter() - t0, 1), "result": res}
         fsio.atomic_write_bytes(str(stored_path(run, step)), json.dumps(rec, indent=1, default=float).encode())
         return {**rec, "ckpt_exists": True}
 
@@ -161,8 +185,9 @@ def device_columns(per_device: dict) -> dict:
 
 def table_rows(run: str, records: list[dict]) -> list[dict]:
     """One row per checkpoint and task: the pretrained encoder's head chosen on val, its val
-    and test scores with intervals, per test device, and the pretraining metrics at that step."""
-    splits = read_splits(run)
+    and test scores with intervals, per test device, and the pretraining metrics at that step
+    (a gs:// run's from the metrics its trainer copied there)."""
+    splits = read_splits(run_folder.local_folder(run)) or read_splits(run)
     train_m, val_m, probe_m = (splits.get(k, {}) for k in ("train", "val", "probe"))
     rows = []
     for rec in records:
@@ -213,6 +238,7 @@ def _num(v) -> float | None:
 
 
 def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
+    """<run>/best_checkpoint.json (a gs:// run's in its local folder): the choice per task."""
     tasks = {}
     for _, r in best[best["run"] == str(run)].iterrows():
         tasks[r["task"]] = {"step": int(r["step"]), "ckpt": r["ckpt"], "head": r["head"], "lr": r["lr"],
@@ -220,7 +246,8 @@ def write_best(run: str, best: pd.DataFrame, cfg: ProbeConfig) -> Path:
                             **{c: _num(r[c]) for c in r.index if c.startswith(("val_", "test_")) and "@" not in c
                                and c != "test_collapsed"},
                             "pretrain_loss": _num(r.get("pretrain_loss")), "pretrain_rankme": _num(r.get("pretrain_rankme"))}
-    out = RunFolder(run).best_checkpoint
+    out = RunFolder(run_folder.local_folder(run)).best_checkpoint
+    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"selected_on": "val", "rule": "highest val balanced accuracy of the head chosen on val; ties: val AUROC, "
            "then the earliest step; test scores are reported, never used", "settings_key": settings_key(cfg),
            "probe_settings": result_settings(cfg), "tasks": tasks}
@@ -301,8 +328,34 @@ def plot(table: pd.DataFrame, out: Path) -> None:
 
 
 def default_out(runs: list[str]) -> Path:
-    """One run: its folder. Several: a `leaderboard` folder beside the first."""
-    return Path(runs[0]) if len(runs) == 1 else Path(runs[0]).parent / "leaderboard"
+    """One run: its (local) folder. Several: a `leaderboard` folder beside the first."""
+    first = run_folder.local_folder(runs[0])
+    return first if len(runs) == 1 else first.parent / "leaderboard"
+
+
+def estimate_line(cfg: ProbeConfig, todo: list[tuple[str, int, str, dict]]) -> str:
+    """What the probes will take, said before the first: a feature pass of the first checkpoint's
+    architecture over the labelled rows, timed on one batch of them (after one to warm up) on the
+    probes' device and scaled to all, times the checkpoints to probe; the heads are not counted."""
+    run, _, uri, _ = todo[0]
+    saved = run_folder.stored_config(run_folder.checkpoint_dir(run)) or run_folder.stored_config(run)
+    if saved:
+        tcfg = saved_config(saved, uri)
+        enc = features.checkpoint_encoder(None, train_cfg=tcfg)[0]
+    else:
+        enc, tcfg, _ = features.checkpoint_encoder(uri)
+    cache = cfg.cache or shares.whole_cache(tcfg.data.cache, "leaderboard")
+    rows = probe.labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
+    device, b = runtime.device_for(cfg.device), cfg.extract_batch
+    if len(rows) < 2 * b:
+        return f"leaderboard: {len(todo)} checkpoint(s) of {len(rows)} labelled volumes each on {device}"
+    features.extract(enc, tcfg, rows[:b], cache, cfg.token_pool, device, b)   # warm-up (first call, compile)
+    t0 = time.perf_counter()
+    features.extract(enc, tcfg, rows[b:2 * b], cache, cfg.token_pool, device, b)
+    per = (time.perf_counter() - t0) / b * len(rows)
+    return (f"leaderboard: ESTIMATE {len(todo)} checkpoint(s) x a feature pass over {len(rows)} labelled volumes on "
+            f"{device} of about {per / 60:.1f} min (one batch of {b} timed) = about {len(todo) * per / 3600:.2f} h, "
+            f"plus the heads' training (not estimated); less where a checkpoint's features are kept")
 
 
 def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, progress: bool = True) -> dict:
@@ -310,9 +363,10 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
     probe.check_tasks(cfg)
     board = Board(cfg)
     done, todo = {}, []
-    tuned = {r: finetune_table_rows(r) for r in runs if RunFolder(r).finetune.exists()}  # reports, nothing to probe
+    tuned = {r: finetune_table_rows(r) for r in runs  # reports, nothing to probe
+             if not run_folder.is_remote_run(r) and RunFolder(r).finetune.exists()}
     for r in runs:
-        if not Path(r).is_dir():
+        if not (fsio.exists(r) if run_folder.is_remote_run(r) else Path(r).is_dir()):
             raise cli.UsageError(f"run: no run folder {r}")
         if r in tuned:
             if not tuned[r]:
@@ -322,6 +376,12 @@ def run(runs: Sequence[str], cfg: ProbeConfig, out: str | Path | None = None, pr
         if not t and not done[r]:
             raise cli.UsageError(f"run: no step_<N>.pt checkpoint under {probe.run_checkpoint_dir(r)}")
         todo += [(r, *x) for x in t]
+        if r not in tuned:
+            print(f"leaderboard: {r}: {len(done[r]) + len(t)} checkpoint(s) on the board, {len(t)} to probe"
+                  + (f"; {board.left_out[r]} more saved, left out by max_checkpoints={cfg.max_checkpoints} (evenly "
+                     f"spaced, the newest among them; 0 probes every one)" if board.left_out[r] else ""))
+    if todo:
+        print(estimate_line(cfg, todo))
     bar = tqdm(todo, desc="leaderboard", unit="ckpt", disable=not progress or not todo, file=sys.stderr)
     for r, step, uri, ident in bar:
         bar.set_postfix_str(f"{Path(r).name} step {step}")

@@ -25,11 +25,19 @@ from evals.probe_heads import HeadGrid, train_heads
 from manifests.aireadi import TASKS
 from manifests.splits import split_leaks
 from octfm import cli, config, plots
-from train import checkpoint, data
+from train import checkpoint, data, run_folder, runtime, shares
 from train.run_folder import RunFolder
 
 def run_checkpoint_dir(run: str) -> str:
-    return RunFolder(run).checkpoints()
+    """A run's checkpoint folder: a local run folder's, or a gs:// run's (train/run_folder.py)."""
+    return run_folder.checkpoint_dir(run)
+
+
+def heads_device(device: str) -> str:
+    """Where the probe heads train: `device` (auto resolved), except a TPU's, whose many small
+    graphs the CPU runs sooner (fine-tuning fits its head there too); the heads train alike anywhere."""
+    dev = runtime.device_for(device)
+    return "cpu" if dev.startswith("xla") else dev
 
 
 def resolve_checkpoint(cfg: ProbeConfig) -> str:
@@ -112,7 +120,7 @@ def fit_grids(kind, cfg: ProbeConfig, feats: list[dict], y, split, classes, trai
             return None
         return xs[0][rows] if one else [x[rows] for x in xs]
     heads = train_heads(kind, grid, arg(pooled, tr), arg(tokens, tr), y[tr], classes, cfg.epochs, cfg.batch_size,
-                        cfg.seed, cfg.class_weight, standardize=cfg.standardize, device=cfg.device,
+                        cfg.seed, cfg.class_weight, standardize=cfg.standardize, device=heads_device(cfg.device),
                         min_steps=cfg.min_steps)
     every = heads(arg(pooled), arg(tokens))                                    # [E x H, n, C]
     out = []
@@ -322,20 +330,22 @@ def encoder_features(cfg: ProbeConfig, encoders: dict, tcfg, probe_dir: Path | N
     written there too in the same pass, not returned (the learning check's token probe then reads
     no volume again)."""
     check_tasks(cfg)
-    cache = cfg.cache or tcfg.data.cache
+    cache = cfg.cache or shares.whole_cache(tcfg.data.cache, "probe")
     rows = labelled_rows(cache, cfg.seed, cfg.shuffle_labels)
     if not rows:
         raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
     probe_dir = Path(probe_dir) if probe_dir else RunFolder(Path(tcfg.runs_dir) / tcfg.name).probe
-    precision = features.resolve_precision(cfg.precision, cfg.device)
+    device = runtime.device_for(cfg.device)
+    precision = features.resolve_precision(cfg.precision, device)
     views = {name: (enc, cfg.token_pool, features.feature_key(idn, rows, tcfg, cfg.token_pool, precision))
              for name, (enc, idn) in encoders.items()}
     views.update({f"{name} grid": (encoders[name][0], features.FULL_GRID,
                                    features.grid_key(encoders[name][1], rows, tcfg, precision)) for name in grids})
     feats, reused = features.cached_all(probe_dir / "features", {n: v[2] for n, v in views.items()},
                                         lambda names, part: features.extract_all(
-        {n: views[n][0] for n in names}, tcfg, rows[part], cache, {n: views[n][1] for n in names}, cfg.device,
-        cfg.extract_batch, precision=precision), len(rows), write_only=[f"{name} grid" for name in grids])
+        {n: views[n][0] for n in names}, tcfg, rows[part], cache, {n: views[n][1] for n in names}, device,
+        cfg.extract_batch, precision=precision, pad=device.startswith("xla")), len(rows),
+        write_only=[f"{name} grid" for name in grids])
     return {"rows": rows, "feats": {n: feats[n] for n in encoders}, "reused": {n: reused[n] for n in encoders},
             "cache": cache, "probe_dir": probe_dir, "precision": precision}
 
@@ -355,8 +365,10 @@ def probe_checkpoint(cfg: ProbeConfig, ckpt: str, probe_dir: Path | None = None,
 
 
 def run(cfg: ProbeConfig) -> dict:
+    """The probes of `ckpt`, or of `run`'s newest checkpoint (a local or a gs:// run), reported in the
+    run's local folder (a gs:// run's: runs/<name>, train/run_folder.py local_folder)."""
     ckpt = resolve_checkpoint(cfg)
-    return probe_checkpoint(cfg, ckpt, RunFolder(cfg.run).probe if cfg.run else None)
+    return probe_checkpoint(cfg, ckpt, RunFolder(run_folder.local_folder(cfg.run)).probe if cfg.run else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -370,8 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.ckpt = a.ckpt
     t0 = time.perf_counter()
     out = run(cfg)
-    print(f"probe: {out['ckpt']} on {out['cache']} ({out['rows']} labelled volumes); features reused: "
-          f"{out['features_reused']}")
+    print(f"probe: {out['ckpt']} on {out['cache']} ({out['rows']} labelled volumes, on "
+          f"{runtime.device_for(cfg.device)}); features reused: {out['features_reused']}")
     for task, res in out["results"].items():
         rows = [(p["encoder"], p["head"], cli.fmt_number(p["test"]["balanced_accuracy"], p["test"]["balanced_accuracy_ci95"]),
                  cli.fmt_number(p["test"]["auroc_macro_ovr"]), "YES" if p["test"]["collapsed"] else "no") for p in res["probes"]]

@@ -84,9 +84,9 @@ class Retries:
 
 
 def copy(src: str, dst: str, transfers: int, checkers: int, progress: bool, retries: Retries = Retries(),
-         exclude: tuple[str, ...] = (), rerun: str = "the command") -> int:
+         exclude: tuple[str, ...] = (), rerun: str = "the command", extra: tuple[str, ...] = ()) -> int:
     """rclone copy (the one copy `make mirror` and `make stage` share); returns how many files it
-    transferred. When rclone gives up, the job stops (JobAborted) with its last error lines;
+    transferred (`extra`: more rclone flags, e.g. --files-from). When rclone gives up, the job stops (JobAborted) with its last error lines;
     files it finished are in place, and a re-run (`rerun`) copies the rest."""
     seen = {"transfers": 0}
 
@@ -95,7 +95,7 @@ def copy(src: str, dst: str, transfers: int, checkers: int, progress: bool, retr
         seen["transfers"] = max(seen["transfers"], int(stats.get("transfers", 0) or 0))
 
     args = [f"--transfers {transfers}", f"--checkers {checkers}", "--fast-list",
-            *(f"--exclude /{x}" for x in exclude), *retries.args()]
+            *(f"--exclude /{x}" for x in exclude), *retries.args(), *extra]
     try:
         rclone.copy(src, dst, show_progress=progress, listener=listener, args=args)
     except RcloneException as exc:

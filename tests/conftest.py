@@ -383,7 +383,7 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
     """Overrides for configs/pretrain_smoke.yaml that make a seconds-long CPU run."""
     args = {
         "name": name, "runs_dir": str(runs), "data.cache": str(cache), "data.stride": "[1,1,1]",
-        "data.input_shape": "[16,48,48]", "data.workers": 0, "batch_size": 4, "max_steps": 6, "log_every": 1,
+        "data.input_shape": "[16,48,48]", "data.workers": 0, "global_batch": 4, "max_steps": 6, "log_every": 1,
         "val_every": 0, "ckpt_every": 3, "model.dim": 32, "model.depth": 2, "model.heads": 2,
         "model.pred_dim": 16, "model.pred_depth": 1, "model.pred_heads": 2, "optim.warmup_steps": 2,
     }

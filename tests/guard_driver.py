@@ -43,7 +43,7 @@ def main() -> None:
     scale = torch.ones((), device=rt.device)
     rt.replicate([scale])
     net = spiked(rt.wrap(tr.model), scale)
-    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=cfg.seed, stop_batch=a.steps)
+    _, dl = tr.train_loader(0, a.steps)
     it = iter(rt.loader(dl))
     states, skipped, compiles = [], [], []
     for step in range(1, a.steps + 1):

@@ -91,7 +91,7 @@ def held_saves(monkeypatch, seconds: float = 5.0) -> threading.Event:
 
 def test_a_save_returns_before_the_write_with_a_snapshot_training_cannot_change(trainer, monkeypatch):
     tr = trainer
-    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+    _, dl = tr.train_loader(0)
     tr.update([next(iter(dl))], tr.model)  # AdamW moments exist
     tr.step = 1
     expected = copy.deepcopy(tr.state())

@@ -42,7 +42,7 @@ def test_compiled_step_agrees_with_eager_and_compiles_once(tiny_cache, tmp_path)
     torch._dynamo.reset()
     eager = _trainer(tiny_cache, tmp_path / "e", compiled=False)
     comp = _trainer(tiny_cache, tmp_path / "c", compiled=True)
-    _, dl = eager.loader(eager.rows, 0, augment=True, shuffle=True, seed=0)
+    _, dl = eager.train_loader(0)
     it = iter(dl)
     batches = [next(it) for _ in range(3)]
     ge, gc = _grads(eager, batches[0]), _grads(comp, batches[0])  # the same weights (the same seed built both)

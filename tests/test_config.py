@@ -56,7 +56,7 @@ PRETRAIN = ["pretrain_smoke", "pretrain_check", "pretrain_check_gpu", "pretrain_
 # What a pretraining config may set: its size (optim.ema with it: a short run needs a faster target)
 # and where and how it runs. Never the recipe's own keys (the architecture's kinds, the loss, the
 # masks, the augmentation, the optimiser's settings): train/config.py's defaults carry them.
-SIZE_KEYS = {"batch_size", "max_steps", "data.input_shape", "model.dim", "model.depth", "model.heads", "model.pred_dim",
+SIZE_KEYS = {"global_batch", "chip_batch", "max_steps", "data.input_shape", "model.dim", "model.depth", "model.heads", "model.pred_dim",
              "model.pred_depth", "model.pred_heads", "optim.lr", "optim.start_lr", "optim.final_lr",
              "optim.warmup_steps", "optim.ema"}
 RUN_KEYS = {"name", "device", "precision", "log_every", "val_every", "val_batches", "eval_every", "ckpt_every",

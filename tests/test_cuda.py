@@ -32,7 +32,7 @@ def trainer(cache, tmp_path, precision: str = "bf16", **kw) -> pretrain.Trainer:
 
 
 def batches(tr: pretrain.Trainer, n: int) -> list[dict]:
-    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0, stop_batch=n)
+    _, dl = tr.train_loader(0, n)
     return [tr.rt.to_device(b) for b in dl]
 
 

@@ -88,3 +88,21 @@ def test_each_decision_has_a_stable_anchor():
     numbers = re.findall(r"^## Decision (F?\d+):", text, re.M)
     anchored = re.findall(r'^<a id="decision-(f?\d+)"></a>\n\n## Decision ', text, re.M)
     assert len(numbers) >= 60 and [n.lower() for n in numbers] == anchored
+
+
+USER_PAGES = ("README.md", "docs/training.md", "docs/accelerators.md")
+LABELS = r"\b(?:[Ii]ssue|[Ss]top|[Dd]ecision)s? #?F?\d+|\bthe (?:TPU )?issue\b|\bthe cut\b|house refactor|\b[0-9a-f]{7,40}\b"
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_user_pages_carry_no_labels_a_user_cannot_resolve(page):
+    """The pages a user runs from name no issue, stop, decision or commit and tell no past round (that is
+    docs/history/); README's Results table, generated from docs/results.jsonl, keeps its provenance column."""
+    text = re.sub(r"<!-- results -->.*?<!-- /results -->", "", (REPO / page).read_text(), flags=re.S)
+    found = [m.group(0) for m in re.finditer(LABELS, text)]
+    assert not found, found
+
+
+def test_readme_links_the_docs_index_near_its_top():
+    head = (REPO / "README.md").read_text().splitlines()[:15]
+    assert any("(docs/README.md)" in line for line in head)

@@ -402,7 +402,7 @@ def test_the_gpu_size_check_dry_runs_on_the_cpu(tmp_path, capsys):
 
 
 GPU_TINY = ["--size", "gpu", "--participants", "12", "--bootstrap", "20", "--set", "random_draws=2",
-            "device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "batch_size=4", "max_steps=2",
+            "device=cpu", "precision=fp32", "data.resident=always", "data.workers=0", "global_batch=4", "max_steps=2",
             "eval_every=0", "ckpt_every=2", "model.dim=32", "model.depth=1", "model.heads=2", "model.pred_dim=16",
             "model.pred_depth=1", "model.pred_heads=2", "optim.warmup_steps=1"]
 

@@ -1,5 +1,8 @@
 """make plan (train/plan.py): the analytic activation bytes against what autograd really keeps
-(counted per storage on a CPU), and the production configs against the hardware they name."""
+(counted per storage on a CPU), the production configs against the hardware they name, the global
+batch laid over chips as the trainer lays it, and the step-time estimate from the counted FLOPs."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -80,9 +83,9 @@ def test_the_production_config_fits_a_v4_32_with_linear_attention():
     cfg = config.load(TrainConfig, PRODUCTION)
     p = plan.make_plan(cfg, "tpu-v4", chips=16)
     assert p.kernel == attention.PALLAS_FLASH and attention.MEMORY[p.kernel] == "linear"
-    assert p.batch_per_chip == 4 and p.global_batch == 64
+    assert p.batch_per_chip == 8 and p.global_batch == 128 and p.layout.accum == 1
     assert p.fits and p.margin_gib > 2, p.lines()
-    assert p.largest_batch >= 4
+    assert p.largest_batch >= 8
     # what the issue's reading found: the math path keeps [B, H, N, N] float32 scores, and does not fit
     bad = plan.make_plan(cfg, "tpu-v4", chips=16, kernel=attention.MATH)
     assert not bad.fits and bad.largest_batch == 0
@@ -121,17 +124,68 @@ def test_attention_memory_on_every_accelerator_is_linear_in_the_sequence():
     assert two > 3.5 * one
 
 
-@pytest.mark.parametrize("config_path, accel, chips", [(PRODUCTION, "h100", 1), ("configs/pretrain_single_domain.yaml", "h100", 8),
-                                                       (PRODUCTION, "tpu-v5p", 16)])
+@pytest.mark.parametrize("config_path, accel, chips", [(PRODUCTION, "h100", 8), ("configs/pretrain_single_domain.yaml", "h100", 8),
+                                                       (PRODUCTION, "tpu-v4", 16), (PRODUCTION, "tpu-v5p", 16)])
 def test_production_configs_fit_the_hardware_their_comments_name(config_path, accel, chips):
     assert plan.make_plan(config.load(TrainConfig, config_path), accel, chips).fits
 
 
-def test_make_plan_prints_the_margin_and_exits_by_the_verdict(capsys):
+def test_one_config_is_one_global_batch_on_every_machine():
+    """The production config trains 128 volumes a step on a v4-32 and on a node of 8 GPUs alike (16
+    a card, 8 a TPU chip); without CHIPS a GPU plan is a node of 8, not one card; a v5e chip that holds
+    4 reaches the same 128 by accumulation once chip_batch says so, as the trainer would lay it."""
+    cfg = config.load(TrainConfig, PRODUCTION)
+    tpu, gpu, one_node = plan.make_plan(cfg, "tpu-v4", 16), plan.make_plan(cfg, "h100", 8), plan.make_plan(cfg, "h100")
+    assert tpu.global_batch == gpu.global_batch == one_node.global_batch == 128
+    assert (tpu.batch_per_chip, gpu.batch_per_chip, one_node.chips) == (8, 16, 8)
+    assert (tpu.layout.processes, tpu.layout.hosts, tpu.layout.per_process) == (4, 4, 32)   # SPMD: a process a host
+    v5e = plan.make_plan(cfg, "tpu-v5e", 16)
+    assert not v5e.fits and "chip_batch=4 keeps the global batch 128: 4 a chip x 2 accumulation steps" in v5e.suggestion
+    fitted = plan.make_plan(config.load(TrainConfig, PRODUCTION, ["chip_batch=4"]), "tpu-v5e", 16)
+    assert fitted.fits and (fitted.batch_per_chip, fitted.layout.accum, fitted.global_batch) == (4, 2, 128)
+
+
+def test_make_plan_prints_the_margin_and_exits_by_the_verdict(capsys, monkeypatch):
     r = run_cli("train.plan", "--config", PRODUCTION, "--accel", "tpu-v4", "--chips", "16")  # as make plan runs it
     assert r.returncode == 0, r.stderr
-    assert "fits on tpu-v4 at batch 4 per chip: margin +" in r.stdout and "the largest batch that fits is" in r.stdout
-    assert plan.main(["--config", PRODUCTION, "--accel", "tpu-v5e", "--chips", "16", "batch_size=64"]) == 1
-    assert "does NOT fit" in capsys.readouterr().out
-    with pytest.raises(cli.UsageError, match="batch_size 6 does not divide over the 4 chips"):
-        plan.main(["--config", PRODUCTION, "--accel", "tpu-v4", "batch_size=6"])
+    assert "fits on tpu-v4 at batch 8 per chip: margin +" in r.stdout and "the largest batch that fits is" in r.stdout
+    assert "global batch 128 = 8 a chip x 16 chip(s) x 1 accumulation step(s)" in r.stdout
+    assert "1,179,648 tokens per step" in r.stdout                         # 128 x 9,216
+    assert "ESTIMATE (assumed 19% of the 275 TFLOP/s bf16 peak per chip, not measured)" in r.stdout
+    assert re.search(r"30,000 steps in \d+\.\d days, [\d,]+ chip-hours on 16 chips", r.stdout)
+    monkeypatch.setattr(plan, "step_flops", lambda cfg: 1e13)  # counted above; here only the verdict
+    assert plan.main(["--config", PRODUCTION, "--accel", "tpu-v5e", "--chips", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "chip_batch=4 keeps the global batch 128" in out
+    with pytest.raises(config.ConfigError, match="'global_batch': 6 does not divide over 4 chip"):
+        plan.main(["--config", PRODUCTION, "--accel", "tpu-v4", "global_batch=6"])
+
+
+def test_the_estimate_counts_attention_and_divides_by_the_assumed_rate():
+    """step_flops counts the CPU's fused attention (torch's counter knows only the GPU kernels): the
+    step's FLOPs with it are those without it plus 4 N^2 d a call forward and 10 N^2 d backward
+    (QK^T and AV; the scores recomputed, as a flash kernel does, and four gradients), summed over the
+    target's, the context encoder's and the predictor's blocks. The estimate is FLOPs x global batch over chips x peak x assumed utilisation."""
+    from torch.utils import flop_counter
+
+    cfg = config.load(TrainConfig, PRODUCTION, SMALL)
+    shp = plan.shapes(cfg)
+    attn = shp.depth * 4 * shp.tokens ** 2 * shp.dim                                      # target: forward only
+    attn += sum(shp.depth * 14 * n ** 2 * shp.dim for n in shp.context)                   # encoder: + backward
+    attn += sum(shp.pred_depth * 14 * (c + t) ** 2 * shp.pred_dim for c, t in zip(shp.context, shp.targets))
+    with_attention = plan.step_flops(cfg)
+    real = flop_counter.FlopCounterMode.__init__
+
+    def without(self, *a, custom_mapping=None, **kw):   # the same count, the CPU's attention left uncounted
+        real(self, *a, **kw)
+    try:
+        flop_counter.FlopCounterMode.__init__ = without
+        plain = plan.step_flops(cfg)
+    finally:
+        flop_counter.FlopCounterMode.__init__ = real
+    assert with_attention - plain == attn
+    p = plan.make_plan(cfg, "h100", 8, flops=True)
+    est = p.estimate()
+    assert est["step_s"] == pytest.approx(with_attention * cfg.global_batch / (8 * 989e12 * 0.19))
+    assert est["days"] == pytest.approx(est["step_s"] * cfg.max_steps / 86400)
+    assert est["chip_hours"] == pytest.approx(est["step_s"] * cfg.max_steps * 8 / 3600)

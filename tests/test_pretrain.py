@@ -28,7 +28,7 @@ def tiny_trainer(cache, tmp_path, **extra) -> pretrain.Trainer:
 
 
 def first_batch(trainer):
-    _, dl = trainer.loader(trainer.rows, 0, augment=True, shuffle=True, seed=0)
+    _, dl = trainer.train_loader(0)
     return trainer.rt.to_device(next(iter(dl)))
 
 
@@ -223,10 +223,10 @@ def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
 
 @pytest.mark.slow  # about 24 s on 2 cores (stop 53: make test at its 7 minutes): the heavy lane, beside the other torchrun tests
 def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
-    one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, batch_size=4)
+    one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, global_batch=4)
     r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *one)
     assert r.returncode == 0, r.stderr
-    two = tiny_train_args(tiny_cache, tmp_path / "two", name="d", max_steps=3, batch_size=2)
+    two = tiny_train_args(tiny_cache, tmp_path / "two", name="d", max_steps=3, global_batch=4)   # 2 a process
     env = {"OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(_free_port()), "-m", "train.pretrain", "--config", SMOKE, "--no-progress", *two],
@@ -247,7 +247,7 @@ def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
 def test_ddp_spike_on_one_rank_is_skipped_by_both(tiny_cache, tmp_path):
     """A loss spike on rank 1 only: both ranks skip that update exactly and stay identical
     (weights, EMA target, optimizer moments and step counts) at every step."""
-    args = tiny_train_args(tiny_cache, tmp_path / "runs", batch_size=2)
+    args = tiny_train_args(tiny_cache, tmp_path / "runs", global_batch=4)   # 2 a rank
     r0, r1 = guard_driver(tmp_path / "out", steps=4, spikes={3: "1e4"}, spike_rank=1, overrides=args, nproc=2)
     assert r0["skipped"] == r1["skipped"] == [0, 0, 1, 1]
     for a, b in zip(r0["states"], r1["states"]):

@@ -110,7 +110,8 @@ def test_checkpoints_on_gs_and_resume_from_them(tiny_cache, gcs_emulator, tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/runs/g"))
-    assert names == ["latest.txt", "step_0000002.pt", "step_0000004.pt"]  # latest.pt: through the pointer
+    # latest.pt: through the pointer; the run's config and metrics beside them make the folder a run (RUN=gs://...)
+    assert names == ["config.yaml", "latest.txt", "metrics.jsonl", "step_0000002.pt", "step_0000004.pt"]
     st = checkpoint.load("gs://ckpt-bucket/runs/g/latest.pt")
     assert st["step"] == 4
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress",

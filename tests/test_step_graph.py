@@ -29,7 +29,7 @@ def _trainer(cache, runs, precision="fp32", **extra) -> pretrain.Trainer:
 
 
 def _batches(tr: pretrain.Trainer, n: int) -> list[dict]:
-    _, dl = tr.loader(tr.rows, 0, augment=True, shuffle=True, seed=0)
+    _, dl = tr.train_loader(0)
     it = iter(dl)
     return [next(it) for _ in range(n)]
 

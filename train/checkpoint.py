@@ -74,14 +74,24 @@ def step_uri(ckpt_dir: str, step: int) -> str:
 
 def resolve_latest(uri: str) -> str:
     """The file a checkpoint path names: `<dir>/latest.pt` is the step file that
-    `<dir>/latest.txt` names (what save writes); any other path is itself. Every reader goes
-    through here, so latest.pt works wherever a checkpoint is accepted."""
-    uri = str(uri)
+    `<dir>/latest.txt` names (what save writes); a run (a local run folder, or a gs:// one as a
+    TPU run leaves it: train/run_folder.py) names its latest.pt; any other path is itself. Every
+    reader goes through here, so latest.pt and a run work wherever a checkpoint is accepted."""
+    uri = str(uri).rstrip("/")
+    if not uri.endswith(".pt") and _is_folder(uri):
+        from train import run_folder
+
+        return resolve_latest(fsio.join(run_folder.checkpoint_dir(uri), LATEST))
     if posixpath.basename(uri) != LATEST:
         return uri
     folder = posixpath.dirname(uri)
     log = write_log(folder)
     return fsio.join(folder, log[0]) if log else uri  # neither: the reader says latest.pt is missing
+
+
+def _is_folder(uri: str) -> bool:
+    fs, path = fsio.filesystem(uri)
+    return fs.isdir(path)
 
 
 def write_log(ckpt_dir: str) -> list[str]:

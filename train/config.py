@@ -113,7 +113,6 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     ema: tuple[float, float] = (0.998, 1.0)   # target-encoder momentum, start -> end
-    accum_steps: int = 1
     spike_factor: float = 5.0                 # skip an update whose loss exceeds this x the recent mean
     max_consecutive_skips: int = 100          # this many skipped updates in a row stop the run (exit 1); 0: never
 
@@ -146,7 +145,13 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     precision: Literal["fp32", "bf16"] = "bf16"
     compile: bool = False                     # torch.compile the student and target (cpu, cuda; XLA compiles anyway)
-    batch_size: int = 16                      # per process (per host on XLA SPMD)
+    # The recipe's batch: volumes per optimizer step, over every process, chip and accumulation step. Each
+    # process's share and any gradient accumulation follow from the world size and chip_batch (train/batching.py),
+    # alike on TPU, CUDA and CPU: 16 a GPU on a node of 8, 8 a chip on a v4-32 (docs/training.md, The batch).
+    global_batch: int = 128
+    # The most volumes one chip takes in a forward and backward: `make plan`'s largest batch that fits. None: the
+    # global batch in one pass over the chips; set, a global batch beyond chips x chip_batch accumulates gradients.
+    chip_batch: int | None = None
     max_steps: int = 30000                    # optimizer updates
     log_every: int = 10
     val_every: int = 0                        # 0: no validation
@@ -164,6 +169,12 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     online_probe: OnlineProbeConfig = dataclasses.field(default_factory=OnlineProbeConfig)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+    def __post_init__(self):
+        if self.global_batch < 1:
+            raise FieldError("global_batch", f"{self.global_batch}: needs at least 1 volume per optimizer step")
+        if self.chip_batch is not None and self.chip_batch < 1:
+            raise FieldError("chip_batch", f"{self.chip_batch}: needs at least 1 (or null: no cap)")
 
 
 BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut (4ac2cad): it reads what earlier code wrote
@@ -184,11 +195,26 @@ def _key_paths(d: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def saved_config(saved: dict, uri: str) -> TrainConfig:
-    """The TrainConfig a checkpoint at `uri` saved. A checkpoint saves every key (config.to_dict),
-    so one whose keys differ from this TrainConfig's was written by older code: refused with the
-    tag that reads it, never filled in with today's defaults (a missing model.stem would build
-    another encoder than the one whose weights it holds)."""
+def per_process_batch(saved: dict, world: int = 1) -> dict:
+    """A v1 config that stated `batch_size` per process and `optim.accum_steps` restated with the
+    global batch they made on `world` processes (what a run saved before the batch became the
+    global one); any other config as it is. The batch only sets the data order, not the encoder."""
+    if "batch_size" not in saved or "global_batch" in saved:
+        return saved
+    optim = dict(saved.get("optim", {}))
+    accum = int(optim.pop("accum_steps", 1))
+    out = {k: v for k, v in saved.items() if k != "batch_size"}
+    out.update(global_batch=int(saved["batch_size"]) * accum * int(world), chip_batch=None, optim=optim)
+    return out
+
+
+def saved_config(saved: dict, uri: str, world: int = 1) -> TrainConfig:
+    """The TrainConfig a checkpoint at `uri` saved (`world`: the processes that wrote it, which a
+    per-process batch of earlier v1 runs is multiplied by: per_process_batch). A checkpoint saves
+    every key (config.to_dict), so one whose keys differ from this TrainConfig's was written by
+    older code: refused with the tag that reads it, never filled in with today's defaults (a
+    missing model.stem would build another encoder than the one whose weights it holds)."""
+    saved = per_process_batch(saved, world)
     have, want = _key_paths(saved), _key_paths(config.to_dict(TrainConfig()))
     if have != want:
         parts = [f"its config has {', '.join(sorted(have - want))}" if have - want else "",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from train.run_folder import RunFolder
+from octfm import fsio
+from train.run_folder import METRICS, RunFolder
 
 
 @torch.no_grad()
@@ -37,13 +38,17 @@ def feature_std(features: torch.Tensor) -> float:
 
 
 def read_splits(run_dir: str | Path) -> dict[str, dict[int, dict]]:
-    """metrics.jsonl as {split: {step: record}} (splits: train, val, probe); a resumed run
-    rewrites steps, so the last record of a step wins. Empty when the file is missing; a line
-    cut short by a kill or a full disk is skipped."""
-    path = RunFolder(run_dir).metrics
+    """metrics.jsonl as {split: {step: record}} (splits: train, val, probe) of a run folder, local
+    or gs:// (the copy a run with its checkpoints there keeps: train/run_folder.py publish); a
+    resumed run rewrites steps, so the last record of a step wins. Empty when the file is
+    missing; a line cut short by a kill or a full disk is skipped."""
     out: dict[str, dict[int, dict]] = {}
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
+    try:
+        text = fsio.read_bytes(fsio.join(str(run_dir), METRICS)).decode(errors="replace")
+    except FileNotFoundError:
+        text = ""
+    if text:
+        for line in text.splitlines():
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:

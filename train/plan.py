@@ -1,10 +1,14 @@
-"""`make plan CONFIG=... ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200> [CHIPS=N]`: will it fit?
+"""`make plan CONFIG=... ACCEL=<tpu-v4|tpu-v5e|tpu-v5p|h100|h200> [CHIPS=N]`: will it fit, how long?
 
 An analytic per-chip memory plan of a pretraining config at its real shapes (token counts from
 the same mask calibration the trainer runs), with the attention kernel `train.attention` routes
 to on that accelerator: parameters, the EMA target, gradients, AdamW state, the update guard's
-copies (XLA), and per sample the activations kept for the backward, block by block. It says
-whether the config's batch fits, with what margin, and the largest batch per chip that does.
+copies (XLA), and per sample the activations kept for the backward, block by block. It lays the
+config's global batch over the chips as the trainer will (train/batching.py), says whether a
+chip's batch fits, with what margin, and the largest batch per chip that does; then an estimate
+of the step time, the days for max_steps and the chip-hours, from the step's FLOPs (counted on
+fake tensors: step_flops) and a stated utilisation per accelerator kind (ASSUMED_UTILISATION),
+labelled an estimate until a measured step replaces it (docs/accelerators.md).
 
 Activation bytes follow what autograd saves (tests/test_plan.py counts the storages it keeps
 on a CPU: equal for a block, within 3% for the whole student): under bf16 autocast the residual
@@ -22,7 +26,7 @@ from typing import Sequence
 import torch
 
 from octfm import cli, config
-from train import attention, masks
+from train import attention, batching, masks
 from train.config import TrainConfig
 
 GIB = 1024 ** 3
@@ -33,20 +37,29 @@ class Accelerator:
     device: str               # the runtime's kind: xla or cuda
     platform: str | None      # PJRT device type for xla
     memory_gib: float         # per chip
-    chips_per_host: int       # chips one process feeds (XLA SPMD: a host; CUDA: one process per GPU)
+    chips_per_host: int       # chips of one machine (a TPU VM host; a GPU node)
+    chips_per_process: int    # chips one process feeds (XLA SPMD: the host's; CUDA: one process per GPU)
     bf16_tflops: float        # dense peak per chip, for MFU
     usable: float             # the share of memory a plan may fill (runtime, compiler and allocator keep the rest)
+    utilisation: float        # the share of bf16_tflops a step is assumed to reach (ASSUMED_UTILISATION)
 
+
+# The step time estimate's one assumption per kind: the share of the bf16 peak the ViT-B step reaches.
+# Nothing here measured it: on CUDA, 25% of the H200's measured bf16 matmul rate (763 of a 989 TFLOP/s
+# datasheet peak), the rate `make device-check` predicts with (bench/device_check.py GPU_ASSUMED); on TPU the
+# same 19% of the peak, for want of any TPU reading. A measured step replaces it (docs/accelerators.md).
+ASSUMED_UTILISATION = {"cuda": 0.19, "xla": 0.19}
 
 # Per chip. TPU: HBM per chip and chips per host of the Cloud TPU VM types; CUDA: one process per
-# GPU, the memory torch reports on the lent cards (docs/accelerators.md).
+# GPU on a node of 8, the memory torch reports on the lent cards (docs/accelerators.md).
 ACCELERATORS = {
-    "tpu-v4": Accelerator("xla", "TPU", 32.0, 4, 275.0, 0.90),
-    "tpu-v5e": Accelerator("xla", "TPU", 16.0, 4, 197.0, 0.90),
-    "tpu-v5p": Accelerator("xla", "TPU", 95.0, 4, 459.0, 0.90),
-    "h100": Accelerator("cuda", None, 79.2, 1, 989.0, 0.90),
-    "h200": Accelerator("cuda", None, 139.8, 1, 989.0, 0.90),
+    "tpu-v4": Accelerator("xla", "TPU", 32.0, 4, 4, 275.0, 0.90, ASSUMED_UTILISATION["xla"]),
+    "tpu-v5e": Accelerator("xla", "TPU", 16.0, 4, 4, 197.0, 0.90, ASSUMED_UTILISATION["xla"]),
+    "tpu-v5p": Accelerator("xla", "TPU", 95.0, 4, 4, 459.0, 0.90, ASSUMED_UTILISATION["xla"]),
+    "h100": Accelerator("cuda", None, 79.2, 8, 1, 989.0, 0.90, ASSUMED_UTILISATION["cuda"]),
+    "h200": Accelerator("cuda", None, 139.8, 8, 1, 989.0, 0.90, ASSUMED_UTILISATION["cuda"]),
 }
+LOADER_CORE_S = 0.085  # one core's seconds per production sample's random-resized crop (docs/training.md, Data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +175,47 @@ def target_pass(shp: Shapes, act: int, kernel: str) -> tuple[int, int]:
     return n * d * 4, max(work, stem)
 
 
+def step_flops(cfg: TrainConfig) -> float:
+    """FLOPs of one volume's update: the target's pass and the student's forward and backward, as
+    torch's FlopCounterMode counts them on fake tensors (no arithmetic runs; seconds at ViT-B), with
+    the CPU's fused attention counted as the flash kernels are (the counter knows the GPU's only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import flop_counter
+
+    from train import data
+    from train.model import JEPA, Encoder, target_features
+
+    grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
+    sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
+    with torch.device("meta"):
+        student = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
+        target = Encoder(cfg.model, cfg.data.input_shape).requires_grad_(False)
+    aten = torch.ops.aten
+    mapping = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = \
+            lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v)
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = \
+            lambda grad, q, k, v, *a, **kw: flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        student.to_empty(device="cpu")
+        target.to_empty(device="cpu")
+        x = torch.zeros((1, 1, *cfg.data.input_shape), dtype=torch.uint8)
+        pairs = [(torch.zeros((1, s.context_cells * grid.depth), dtype=torch.int32),
+                  torch.zeros((1, s.target_cells * grid.depth), dtype=torch.int32), None) for s in sizes]
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            xn = data.normalize(x, torch.tensor([[1.0, 0.0]]))
+            student(xn, pairs, target_features(target, xn)).backward()
+    return float(counter.get_total_flops())
+
+
 @dataclasses.dataclass
 class Plan:
     config: str
     accel: str
-    chips: int
     kernel: str
     shapes: Shapes
-    batch_per_chip: float
-    global_batch: int
+    layout: batching.Layout
     params_m: float
     static_gib: dict
     per_sample_gib: dict
@@ -180,20 +225,48 @@ class Plan:
     fits: bool
     margin_gib: float
     largest_batch: int
+    suggestion: str | None    # the chip_batch that makes a global batch fit, when it does not
+    max_steps: int
+    flops: float | None       # one volume's update (step_flops); None: not counted
+
+    @property
+    def chips(self) -> int:
+        return self.layout.chips
+
+    @property
+    def batch_per_chip(self) -> int:
+        return self.layout.per_chip
+
+    @property
+    def global_batch(self) -> int:
+        return self.layout.global_batch
+
+    def estimate(self) -> dict | None:
+        """Step seconds, days for max_steps and chip-hours at the assumed utilisation (an estimate)."""
+        if not self.flops:
+            return None
+        acc = ACCELERATORS[self.accel]
+        step_s = self.flops * self.global_batch / (self.chips * acc.bf16_tflops * 1e12 * acc.utilisation)
+        total_s = step_s * self.max_steps
+        return {"step_s": step_s, "days": total_s / 86400, "chip_hours": total_s * self.chips / 3600,
+                "utilisation": acc.utilisation,
+                "loader_cores": LOADER_CORE_S * self.layout.per_host / step_s}
 
     def lines(self) -> list[str]:
         shp, b = self.shapes, self.batch_per_chip
+        acc = ACCELERATORS[self.accel]
         verdict = "fits" if self.fits else "does NOT fit"
         seqs = ", ".join(f"{c} + {t}" for c, t in zip(shp.context, shp.targets))
         rows = list(self.static_gib.items())
         rows += [(f"{k} x {b:g}", v * b) for k, v in self.per_sample_gib.items()]
         width = max(len(k) for k, _ in rows) + 2
-        return [
-            f"plan: {self.config} on {self.chips} x {self.accel}: attention {self.kernel} "
-            f"({attention.MEMORY[self.kernel]} in the sequence)",
+        hosts = self.layout.hosts
+        out = [
+            f"plan: {self.config} on {self.chips} x {self.accel} ({hosts} host(s) of {acc.chips_per_host}; CHIPS=N for "
+            f"another count): attention {self.kernel} ({attention.MEMORY[self.kernel]} in the sequence)",
             f"  {self.params_m:.1f} M student parameters; {shp.tokens} tokens per sample, per mask set context + "
             f"targets {seqs} (the predictor's sequence)",
-            f"  batch {b:g} per chip, {self.global_batch} global",
+            f"  {self.layout.describe(shp.tokens)}",
             "  GiB per chip:",
             *(f"    {k:<{width}}{v:8.2f}" for k, v in rows),
             f"    {'peak (forward and backward)':<{width}}{self.peak_gib:8.2f}   of {self.capacity_gib:.1f} usable"
@@ -202,14 +275,20 @@ class Plan:
             f"plan: the config {verdict} on {self.accel} at batch {b:g} per chip: margin {self.margin_gib:+.2f} GiB; "
             f"the largest batch that fits is {self.largest_batch} per chip",
         ]
-
-
-def batch_per_chip(cfg: TrainConfig, acc: Accelerator, chips: int) -> tuple[float, int]:
-    """(per chip, global): the config's batch_size is per process, which feeds a host's chips
-    under XLA SPMD and one GPU under DDP."""
-    per_process = min(chips, acc.chips_per_host)
-    processes = max(1, chips // per_process)
-    return cfg.batch_size / per_process, cfg.batch_size * processes
+        if self.suggestion:
+            out.append(f"plan: {self.suggestion}")
+        est = self.estimate()
+        if est:
+            out += [
+                f"  FLOPs: {self.flops / 1e12:.2f} TFLOP a volume (target pass, student forward and backward), "
+                f"{self.flops * self.global_batch / 1e15:.2f} PFLOP a step",
+                f"plan: ESTIMATE (assumed {est['utilisation']:.0%} of the {acc.bf16_tflops:g} TFLOP/s bf16 peak per "
+                f"chip, not measured): {est['step_s']:.2f} s a step; {self.max_steps:,} steps in {est['days']:.1f} days, "
+                f"{est['chip_hours']:,.0f} chip-hours on {self.chips} chips",
+                f"  the loader at that pace: {self.layout.per_host} volumes a host a step at {LOADER_CORE_S * 1000:.0f} ms "
+                f"of a core each need {est['loader_cores']:.1f} cores a host (data.workers)",
+            ]
+        return out
 
 
 def memory(shp: Shapes, params: dict, acc: Accelerator, act: int, kernel: str) -> tuple[dict, dict, int]:
@@ -237,27 +316,44 @@ def peak(static: dict, per_sample: dict, step_extra: int, batch: float) -> float
     return max(base + batch * sum(per_sample.values()), base + step_extra)
 
 
+def machine(accel: Accelerator, chips: int) -> tuple[int, int]:
+    """(processes, hosts) that feed `chips` chips of an accelerator kind."""
+    if chips % accel.chips_per_process or (chips > accel.chips_per_host and chips % accel.chips_per_host):
+        raise cli.UsageError(f"CHIPS={chips}: a host holds {accel.chips_per_host} chips and a process feeds "
+                             f"{accel.chips_per_process}: use a multiple of {accel.chips_per_host} (or fewer on one host)")
+    return chips // accel.chips_per_process, max(1, chips // accel.chips_per_host)
+
+
 def make_plan(cfg: TrainConfig, accel: str, chips: int | None = None, name: str = "config",
-              kernel: str | None = None) -> Plan:
+              kernel: str | None = None, flops: bool = False) -> Plan:
     """The plan on `chips` chips of `accel` (default one host's), with the attention kernel the
-    model routes to there (or `kernel`, to show what another would need)."""
+    model routes to there (or `kernel`, to show what another would need); `flops`: count the
+    step's FLOPs for the time estimate (seconds at ViT-B)."""
     if accel not in ACCELERATORS:
         raise cli.UsageError(f"ACCEL={accel!r}: one of {', '.join(ACCELERATORS)}")
     acc = ACCELERATORS[accel]
     chips = chips or acc.chips_per_host
+    processes, hosts = machine(acc, chips)
+    lay = batching.layout(cfg.global_batch, cfg.chip_batch, chips, processes, hosts)
     kernel = kernel or attention.kernel_for(acc.device, acc.platform)
     act = 2 if cfg.precision == "bf16" else 4
     shp = shapes(cfg)
     params = parameter_counts(cfg)
-    per_chip, global_batch = batch_per_chip(cfg, acc, chips)
     static, per_sample, step_extra = memory(shp, params, acc, act, kernel)
     capacity = acc.memory_gib * acc.usable * GIB
-    need = peak(static, per_sample, step_extra, per_chip)
+    need = peak(static, per_sample, step_extra, lay.per_chip)
     fixed, each = sum(static.values()), sum(per_sample.values())
     largest = max(0, int((capacity - fixed) // each)) if fixed + step_extra <= capacity else 0
-    return Plan(name, accel, chips, kernel, shp, per_chip, global_batch, params["student"] / 1e6,
+    fits = need <= capacity
+    suggestion = None
+    if not fits and largest:
+        fit = batching.layout(cfg.global_batch, largest, chips, processes, hosts)
+        suggestion = (f"chip_batch={largest} keeps the global batch {cfg.global_batch}: {fit.per_chip} a chip x "
+                      f"{fit.accum} accumulation steps (ARGS='chip_batch={largest}', or chip_batch: in the config)")
+    return Plan(name, accel, kernel, shp, lay, params["student"] / 1e6,
                 {k: v / GIB for k, v in static.items()}, {k: v / GIB for k, v in per_sample.items()},
-                step_extra / GIB, need / GIB, capacity / GIB, need <= capacity, (capacity - need) / GIB, largest)
+                step_extra / GIB, need / GIB, capacity / GIB, fits, (capacity - need) / GIB, largest, suggestion,
+                cfg.max_steps, step_flops(cfg) if flops else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,10 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides (make ARGS)")
     a = ap.parse_args(argv)
     cfg = config.load(TrainConfig, a.config, a.overrides)
-    plan = make_plan(cfg, a.accel, a.chips, name=a.config, kernel=a.kernel)
-    if plan.batch_per_chip != int(plan.batch_per_chip):
-        raise cli.UsageError(f"{a.config}: batch_size {cfg.batch_size} does not divide over the "
-                             f"{min(plan.chips, ACCELERATORS[a.accel].chips_per_host)} chips of a {a.accel} host")
+    plan = make_plan(cfg, a.accel, a.chips, name=a.config, kernel=a.kernel, flops=True)
     print("\n".join(plan.lines()))
     return 0 if plan.fits else 1
 

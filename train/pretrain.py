@@ -17,8 +17,10 @@ import torch
 import yaml
 
 from octfm import cli, config, fsio, procs
-from train import checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule
-from train.config import TrainConfig
+from octfm.config import ConfigError
+from train import (batching, checkpoint, data, masks, metrics, online_probe, resident, run_folder, runtime, schedule,
+                   shares)
+from train.config import TrainConfig, per_process_batch
 from train.loop import TrainLoop
 from train.model import JEPA, objective, target_features
 from train.run_folder import RunFolder
@@ -40,12 +42,15 @@ class Trainer(TrainLoop):
         if not self.rows:
             raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
                                  f"and devices {cfg.data.devices}")
+        self.layout = batching.layout(cfg.global_batch, cfg.chip_batch, rt.chips, rt.world, rt.hosts)
+        self.shares, self.sizes = shares.run_shares(cfg, self.rows, rt.host, rt.hosts)
+        self.epoch_len = shares.epoch_length([len(s) for s in self.shares], self.layout.per_process * rt.local_world)
         self.resident = None  # the training volumes on the device (data.resident), loaded when the loop starts
         self.on_device: bool | None = None  # whether this run crops resident volumes: decided once (wants_resident)
         if data.loader_workers(cfg.data.workers) > 0:
             procs.worker_context(cfg.data.start_method)  # the loader's process server preloads while the model builds
         self.grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
-        self.sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
+        self.mask_sizes = masks.calibrate(self.grid, cfg.mask, seed=cfg.seed)
         self.model = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
         self.target = copy.deepcopy(self.model.encoder).requires_grad_(False)
         self.model.to(rt.device)
@@ -83,7 +88,7 @@ class Trainer(TrainLoop):
         return to_cpu({
             "model": self.model.state_dict(), "target": self.target.state_dict(), "optimizer": self.opt.state_dict(),
             "schedule": {"horizon": self.horizon},
-            "data_position": data.data_position(self.consumed, len(self.rows), self.cfg.batch_size, self.rt.world),
+            "data_position": shares.share_position(self.consumed, self.sampler(), self.rt.hosts),
             "step": self.step, "consumed_batches": self.consumed, **self.guard.state(),
             "rng": checkpoint.rng_state(), "config": config.to_dict(self.cfg), "world": self.rt.world,
             "resident": self.on_device,
@@ -108,21 +113,25 @@ class Trainer(TrainLoop):
         return uri
 
     def _resume_position(self, uri: str, st: dict) -> int:
-        """The checkpoint's place in the data, converted to this run's batch_size and process
-        count; refused when no whole number of this run's global batches reaches it."""
-        cfg, n = self.cfg, len(self.rows)
-        old_batch, old_world, pos = int(st["config"]["batch_size"]), int(st["world"]), st["data_position"]
-        start = data.start_batch_for(pos, n, cfg.batch_size, self.rt.world)
+        """The checkpoint's place in the data, converted to this run's layout (global batch,
+        processes, hosts: shares.start_for); refused when no whole number of this run's micro-steps
+        reaches it."""
+        rt, lay, pos = self.rt, self.layout, st["data_position"]
+        old_world = int(st["world"])
+        old_batch = int(per_process_batch(st["config"], old_world)["global_batch"])
+        start, note = shares.start_for(pos, self.sampler(), rt.hosts)
         if start is None:
-            g = cfg.batch_size * self.rt.world
+            g = lay.per_process * rt.local_world
             raise cli.UsageError(
-                f"{uri}: it stopped {pos['offset']} samples into epoch {pos['epoch']} (batch_size {old_batch} x "
-                f"{old_world} process(es)); batch_size {cfg.batch_size} x {self.rt.world} process(es) = {g} per step "
-                f"does not divide {pos['offset']}: resume with a global batch that does (e.g. the checkpoint's), "
-                f"or from a checkpoint at an epoch boundary")
-        if (old_batch, old_world) != (cfg.batch_size, self.rt.world) and self.rt.is_master:
-            print(f"resume: batch_size {old_batch} x {old_world} process(es) -> {cfg.batch_size} x {self.rt.world}: "
-                  f"the data continues at epoch {pos['epoch']}, sample {pos['offset']} of its order")
+                f"{uri}: it stopped {pos['offset']} samples into epoch {pos['epoch']} of each host's share (global batch "
+                f"{old_batch} on {old_world} process(es)); global batch {lay.global_batch} on {rt.world} process(es) "
+                f"draws {g} a host per micro-step, which does not divide {pos['offset']}: resume with a global batch "
+                f"that does (e.g. the checkpoint's), or from a checkpoint at an epoch boundary")
+        if rt.is_master and note:
+            print(f"resume: {note}")
+        elif rt.is_master and (old_batch, old_world) != (lay.global_batch, rt.world):
+            print(f"resume: global batch {old_batch} on {old_world} process(es) -> {lay.global_batch} on {rt.world}: "
+                  f"the data continues at epoch {pos['epoch']}, sample {pos['offset']} of each host's order")
         return start
 
     def _resume_horizon(self, st: dict) -> int:
@@ -148,18 +157,47 @@ class Trainer(TrainLoop):
             compile_modules(net)
         return net
 
+    def saved(self, log: metrics.MetricsLog, path: str | None, step: int) -> None:
+        """After a checkpoint is down (rank 0): W&B hears of it, and a checkpoint folder kept outside
+        the run folder gets the metrics so far (run_folder.publish)."""
+        log.log_checkpoint(path, step=step)
+        run_folder.publish(self.run_dir, self.ckpt_dir, run_folder.METRICS)
+
     # ------------------------------------------------------------ data
-    def loader(self, rows, start_batch: int, augment: bool, shuffle: bool, seed: int, stop_batch: int | None = None,
-               volumes: bool = True, worker_log: str | None = None):
+    def share_line(self) -> str:
+        """Which volumes each host reads, for the start line."""
+        rt, counts = self.rt, [len(s) for s in self.shares]
+        if rt.hosts == 1:
+            return (f"one host: every process of it draws from all {len(self.rows)} training volumes, "
+                    f"{self.epoch_len} per epoch")
+        line = (f"{rt.hosts} hosts, each reading its own share of the {len(self.rows)} training volumes "
+                f"({', '.join(map(str, counts))} volumes; {self.epoch_len} a host per epoch)")
+        if self.sizes:
+            held = [sum(self.sizes[self.rows[i]["volume"]] for i in s) for s in self.shares]
+            line += f", {' / '.join(f'{b / 1e9:.2f}' for b in held)} GB of {sum(held) / 1e9:.2f} GB"
+        return line
+
+    def sampler(self, start_batch: int = 0, stop_batch: int | None = None) -> shares.ShareSampler:
+        """This process's stream of the training data: its host's share (train/shares.py)."""
+        rt = self.rt
+        return shares.ShareSampler(self.shares[rt.host], self.epoch_len, self.layout.per_process,
+                                   rt.local_rank, rt.local_world, self.cfg.seed,
+                                   start_batch, stop_batch)
+
+    def train_loader(self, start_batch: int = 0, stop_batch: int | None = None, volumes: bool = True,
+                     worker_log: str | None = None):
+        """(sampler, loader) of the training batches from micro-step `start_batch` to `stop_batch`."""
+        sampler = self.sampler(start_batch, stop_batch)
+        return sampler, self.loader(self.rows, sampler, True, self.cfg.seed, volumes, worker_log)
+
+    def loader(self, rows, sampler, augment: bool, seed: int, volumes: bool = True, worker_log: str | None = None):
         """`volumes` False: batches carry crop boxes for the resident volumes (materialize).
         `worker_log`: each worker notes its start there (data.note_worker_start)."""
         cfg = self.cfg
-        ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.sizes, seed, augment, volumes)
-        sampler = data.EpochSampler(len(rows), cfg.batch_size, self.rt.rank, self.rt.world, seed, shuffle, start_batch,
-                                    stop_batch)
-        dl = data.batch_loader(ds, cfg.batch_size, sampler, cfg.data.workers, cfg.data.start_method,
-                               pin=self.rt.kind == "cuda", prefetch_factor=cfg.data.prefetch_factor, worker_log=worker_log)
-        return sampler, dl
+        ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.mask_sizes, seed, augment, volumes)
+        return data.batch_loader(ds, self.layout.per_process, sampler, cfg.data.workers, cfg.data.start_method,
+                                 pin=self.rt.kind == "cuda", prefetch_factor=cfg.data.prefetch_factor,
+                                 worker_log=worker_log)
 
     def materialize(self, batch: dict) -> dict:
         """A batch of crop boxes becomes a batch of crops of the resident volumes."""
@@ -171,10 +209,17 @@ class Trainer(TrainLoop):
     def wants_resident(self) -> bool:
         """`data.resident`, decided once per run and kept in its checkpoints (resident.on_resume):
         resident only when every process's volumes fit (Runtime.all_true), so no rank takes the
-        other path, whose crops differ."""
+        other path, whose crops differ; never on several hosts, which each read their own share."""
         if self.on_device is None:
             d = self.cfg.data
-            self.on_device = self.rt.all_true(resident.wanted(d.resident, self.rt.device, self.rows, d.stride))
+            if self.rt.hosts > 1:  # the resident tensor holds every training volume; each host holds its share
+                if d.resident == "always":
+                    raise ConfigError(f"data.resident: always loads all {len(self.rows)} training volumes on every "
+                                      f"process, but each of the {self.rt.hosts} hosts reads only its share: set "
+                                      f"data.resident=never (auto keeps the loader on several hosts)")
+                self.on_device = False
+            else:
+                self.on_device = self.rt.all_true(resident.wanted(d.resident, self.rt.device, self.rows, d.stride))
         return self.on_device
 
     def load_resident(self, progress: bool) -> None:
@@ -219,17 +264,19 @@ class Trainer(TrainLoop):
     def validate(self) -> dict | None:
         cfg = self.cfg
         if self._val is None:  # built once: the rows are read once and the workers persist
-            rows = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
-            if len(rows) < cfg.batch_size * self.rt.world:
+            rows = shares.validation_rows(cfg, data.select_rows(cfg.data.cache, ["val"], cfg.data.devices))
+            b, world = self.layout.per_process, self.rt.world
+            if len(rows) < b * world:
                 self._val = (0, None)
             else:
-                dl = self.loader(rows, 0, augment=False, shuffle=False, seed=cfg.seed + 1, stop_batch=cfg.val_batches)[1]
-                self._val = (len(rows), dl)
+                sampler = data.EpochSampler(len(rows), b, self.rt.rank, world, cfg.seed + 1, shuffle=False,
+                                            stop_batch=cfg.val_batches)
+                self._val = (len(rows), self.loader(rows, sampler, augment=False, seed=cfg.seed + 1))
         n_rows, dl = self._val
         if dl is None:
             return None
         it = iter(self.rt.loader(dl))
-        n = min(cfg.val_batches, n_rows // (cfg.batch_size * self.rt.world))
+        n = min(cfg.val_batches, n_rows // (self.layout.per_process * self.rt.world))
         if n < 1:  # val_batches: 0
             return None
         total = 0.0  # a Python number until the first loss: a zeros tensor made here was a graph of its own on
@@ -269,9 +316,8 @@ class Trainer(TrainLoop):
         on_device = todo and self.wants_resident()
         sampler = it = None
         if todo:
-            sampler, dl = self.loader(self.rows, self.consumed, augment=True, shuffle=True, seed=cfg.seed,
-                                      stop_batch=self.consumed + (cfg.max_steps - self.step) * cfg.optim.accum_steps,
-                                      volumes=not on_device, worker_log=startup.worker_log)
+            sampler, dl = self.train_loader(self.consumed, self.consumed + (cfg.max_steps - self.step) * self.layout.accum,
+                                            volumes=not on_device, worker_log=startup.worker_log)
             it = iter(self.rt.loader(dl))
         startup.lap("loader")
         if on_device:
@@ -289,7 +335,7 @@ class Trainer(TrainLoop):
         startup = Startup(log, show=rt.is_master and not bar.disable)
         postfix: dict = {}
         sampler, it = self._start(startup, log, bar, postfix)
-        accum = cfg.optim.accum_steps
+        accum = self.layout.accum
         first_loss = last_loss = None
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         self.start_clock()
@@ -302,7 +348,7 @@ class Trainer(TrainLoop):
             rt.sync()
             self.step += 1
             self.consumed += accum
-            samples += cfg.batch_size * accum * rt.world
+            samples += cfg.global_batch
             startup.after_step(self.step, loss, wait)
             bar.update(1)
             self.writer.poll()  # a finished write: W&B hears of it, or its error stops the run
@@ -327,7 +373,7 @@ class Trainer(TrainLoop):
                 self.online_probe(log, postfix)
                 bar.set_postfix(postfix, refresh=False)
             if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
-                self.save(on_saved=functools.partial(log.log_checkpoint, step=self.step))
+                self.save(on_saved=functools.partial(self.saved, log, step=self.step))
             if any(every and self.step % every == 0 for every in (cfg.ckpt_every, cfg.val_every, cfg.eval_every)):
                 t_last, wait, samples = time.perf_counter(), 0.0, 0  # throughput measures training only
         return {"steps": self.step, "first_logged_loss": first_loss, "last_logged_loss": last_loss,
@@ -349,10 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         fsio.atomic_write_bytes(str(RunFolder(trainer.run_dir).config),
                                 yaml.safe_dump(config.to_dict(cfg), sort_keys=False).encode())
+        run_folder.publish(trainer.run_dir, trainer.ckpt_dir, run_folder.CONFIG)
         where = f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from scratch"
         print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
-              f"tokens ctx/tgt per set {[(s.context_cells * trainer.grid.depth, s.target_cells * trainer.grid.depth) for s in trainer.sizes]}, "
+              f"tokens ctx/tgt per set {[(s.context_cells * trainer.grid.depth, s.target_cells * trainer.grid.depth) for s in trainer.mask_sizes]}, "
               f"{where}; objective: {objective(cfg.loss)}")
+        print(f"pretrain: {trainer.layout.describe(trainer.grid.tokens)}")
+        print(f"pretrain: {trainer.share_line()}")
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()
     if rt.is_master:

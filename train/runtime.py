@@ -27,6 +27,7 @@ class Runtime:
     local_rank: int = 0
     bf16: bool = False
     mesh: object | None = None  # xla SPMD mesh
+    devices: int | None = None  # xla: the chips of every host; elsewhere one per process (None)
 
     @property
     def is_master(self) -> bool:
@@ -42,7 +43,26 @@ class Runtime:
         LOCAL_WORLD_SIZE processes on each of WORLD_SIZE / LOCAL_WORLD_SIZE nodes."""
         if self.kind == "xla":
             return self.world
-        return max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        return max(1, self.world // self.local_world)
+
+    @property
+    def local_world(self) -> int:
+        """Processes on this host, which share its page cache: torchrun's LOCAL_WORLD_SIZE; one under XLA SPMD."""
+        if self.kind == "xla":
+            return 1
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+
+    @property
+    def host(self) -> int:
+        """This host's number, 0 to hosts - 1: torchrun's node rank (GROUP_RANK); the process under XLA SPMD."""
+        if self.kind == "xla":
+            return self.rank
+        return int(os.environ.get("GROUP_RANK", self.rank // self.local_world))
+
+    @property
+    def chips(self) -> int:
+        """Accelerators the global batch is split over: every host's under XLA SPMD, else one per process."""
+        return self.devices or self.world
 
     @property
     def collective_snapshot(self) -> bool:
@@ -238,7 +258,7 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
         mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
         xs.set_global_mesh(mesh)  # the flash-attention kernel reads it (train/attention.py)
         return Runtime("xla", torch_xla.device(), xr.process_index(), xr.process_count(), 0,
-                       precision == "bf16", mesh)
+                       precision == "bf16", mesh, devices=n)
     if kind != "cpu":
         raise ConfigError(f"device: {kind!r} is not one of auto, cpu, cuda, xla")
     if world > 1:
@@ -248,6 +268,20 @@ def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
               f"autocast emulates it, about 13x slower than fp32 (docs/measurements.md); set precision=fp32",
               file=sys.stderr)
     return Runtime("cpu", torch.device("cpu"), rank, world, local_rank, precision == "bf16")
+
+
+def device_for(kind: str) -> str:
+    """A torch device for evaluation (probes, the leaderboard, embeddings): `kind` as given, or for
+    "auto" the accelerator when there is one (CUDA, else torch_xla with PJRT_DEVICE set), else the CPU."""
+    if kind != "auto":
+        return kind
+    if torch.cuda.is_available():
+        return "cuda"
+    if _xla_available():
+        import torch_xla
+
+        return str(torch_xla.device())
+    return "cpu"
 
 
 def cpu_has_bf16() -> bool:

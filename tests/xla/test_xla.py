@@ -71,7 +71,7 @@ def test_production_code_paths_compile_the_step_once(tiny_cache, tmp_path):
     compiled at step 1 and never again (the guard's running mean written in place made step 2
     trace another graph: docs/accelerators.md); validation compiles its own graph once; nothing after."""
     args = ["name=prod", f"runs_dir={tmp_path / 'runs'}", f"data.cache={tiny_cache}", "data.input_shape=[16,64,64]",
-            "data.workers=2", "batch_size=4", "max_steps=8", "log_every=1", "val_every=3", "val_batches=1",
+            "data.workers=2", "global_batch=4", "max_steps=8", "log_every=1", "val_every=3", "val_batches=1",
             "ckpt_every=4", "model.dim=32", "model.depth=2", "model.heads=2", "model.pred_dim=16", "model.pred_depth=1",
             "model.pred_heads=2", "optim.warmup_steps=2", "wandb.enabled=false", "precision=bf16", "device=xla"]
     env = {**os.environ, **xla_env(tmp_cache=tmp_path / "xc")}
@@ -132,7 +132,7 @@ def test_update_guard_lockout_on_xla(tiny_cache, tmp_path):
 
 
 def test_spmd_on_four_devices_matches_one_device(tiny_cache, tmp_path):
-    common = dict(max_steps=6, log_every=1, ckpt_every=6, batch_size=4)
+    common = dict(max_steps=6, log_every=1, ckpt_every=6, global_batch=4)
     one = tiny_train_args(tiny_cache, tmp_path / "one", name="s", **common)
     four = tiny_train_args(tiny_cache, tmp_path / "four", name="s", **common)
     run_train(one, devices=1, tmp_cache=tmp_path / "c1")
@@ -183,7 +183,7 @@ def test_second_run_uses_the_persistent_compilation_cache(tiny_cache, tmp_path):
 def test_spmd_shards_the_padded_context(tiny_cache, tmp_path):
     """mask.context=padded adds a validity tensor per mask set; under SPMD on four devices it is
     sharded like the rest of the batch, and the losses match the CPU's."""
-    common = dict(max_steps=3, log_every=1, ckpt_every=3, batch_size=4, **{"mask.context": "padded"})
+    common = dict(max_steps=3, log_every=1, ckpt_every=3, global_batch=4, **{"mask.context": "padded"})
     run_train(tiny_train_args(tiny_cache, tmp_path / "cpu", name="p", **common), device="cpu")
     run_train(tiny_train_args(tiny_cache, tmp_path / "four", name="p", **common), devices=4, tmp_cache=tmp_path / "c4")
     ra, rb = records(tmp_path / "cpu" / "p"), records(tmp_path / "four" / "p")
