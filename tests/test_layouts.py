@@ -180,10 +180,12 @@ def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path, capsys):
     without re-reading the others, narrowing it again skips them without reading anything."""
     root = tree(tmp_path, participants=4)
     cache = str(tmp_path / "cache")
-    base = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
+    # grid: a radial scan has no extent across its frames, so only a stretch can cache it (spacing fails it)
+    base = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "preprocess.resample=grid"])
     first = pd.DataFrame(cache_build.build(root, cache, base, progress=False))
     radial = (first.scan_pattern == "radial").sum()
-    wide = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "select.scan_pattern=[raster,radial]"])
+    wide = config.load(CacheConfig, "configs/cache.yaml", [SHAPE, "preprocess.resample=grid",
+                                                           "select.scan_pattern=[raster,radial]"])
     capsys.readouterr()
     second = pd.DataFrame(cache_build.build(root, cache, wide, progress=False))
     assert (second.status == "ok").all() and (second.status == "ok").sum() == (first.status == "ok").sum() + radial
