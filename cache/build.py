@@ -150,7 +150,7 @@ def plan(rows: list[dict], cfg: CacheConfig, cache_root: str, shard: tuple[int, 
             row.update({k: read.get(k) for k in SCAN_NAMES})
         reason = cfg.select.skip_reason(row, final=bool(read))
         if reason is not None:
-            kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1", "geometry_warning")} if read else {}
+            kept = {k: read.get(k) for k in ("native_shape", "transfer_syntax", "sha1")} if read else {}
             done.append({**row, **kept, "status": "skipped", "skip_reason": reason, "code_version": prep.CODE_VERSION,
                          "reused": bool(same)})  # decided again without work: as before
             continue

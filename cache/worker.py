@@ -22,7 +22,7 @@ from octfm import archives, config, fsio
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
 VOLUME_NAMES = [f.name for f in schema.CACHE_FIELDS if f.name not in SOURCE_NAMES]
 # source columns the header reads anew (ingest/scan.py): a reused row keeps the header's reading
-SCAN_NAMES = ("protocol", "protocol_by", "scan_pattern", "field_mm")
+SCAN_NAMES = ("protocol", "protocol_by", "scan_pattern", "field_mm", "geometry_warning")
 
 
 def volume_path(relpath: str) -> str:

@@ -21,7 +21,7 @@ from octfm import fsio
 
 OCT = "retinal_oct/structural_oct"
 # what legitimately differs between the zipped and the plain form of one tree
-SOURCE_ONLY = ["source", "source_version", "cache_key"]
+SOURCE_ONLY = ["source", "source_version", "cache_key", "scan_key"]  # scan_key holds cache_key
 
 
 @pytest.fixture(scope="module")
