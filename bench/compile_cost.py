@@ -204,7 +204,7 @@ def front_end(fn, *args, dynamic=None) -> dict:
 
 
 def whole_step(cfg, grid, sizes) -> dict:
-    """The step as `compile: true` compiles it (train/step.compile_modules): the target encoder
+    """The step as `compile: true` compiles it (train/runtime.py compile_modules): the target encoder
     (a no-grad graph) and the student (forward + backward), each one dynamo graph."""
     from train import data
 

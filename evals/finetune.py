@@ -41,7 +41,9 @@ from train import checkpoint, data, encoder, metrics, runtime, schedule
 from train.loop import TrainLoop
 from train.model import Encoder, set_drop_path
 from train.run_folder import RunFolder
-from train.step import decays, guarded_step, load_optimizer, optimizer_flags, to_cpu, xla_compiles
+from train.checkpoint import to_cpu
+from train.metrics import xla_compiles
+from train.optim import decays, guarded_step, load_optimizer, optimizer_flags
 
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
 

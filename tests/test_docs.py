@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from train.step import guarded_step
+from train.optim import guarded_step
 
 
 def _pages() -> list:

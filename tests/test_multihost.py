@@ -16,7 +16,8 @@ from octfm.config import ConfigError
 from train import checkpoint, data, runtime
 from train.model import Encoder
 from train.config import ModelConfig
-from train.step import ema_update, init_optimizer_state
+from train.ema import ema_update
+from train.optim import init_optimizer_state
 
 MOUNTS = """\
 /dev/sda1 / ext4 rw,relatime 0 0

@@ -17,7 +17,7 @@ from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, 
 from octfm import config
 from train import checkpoint, data, guard, pretrain, runtime, schedule, startup
 from train.config import OptimConfig, TrainConfig
-from train.step import GUARD_PATHS, guarded_step
+from train.optim import GUARD_PATHS, guarded_step
 
 SMOKE = "configs/pretrain_smoke.yaml"
 

@@ -13,7 +13,8 @@ from octfm import config
 from train import attention, data, pretrain, runtime
 from train.config import TrainConfig
 from train.model import target_features
-from train.step import ema_update, set_scalar
+from train.ema import ema_update
+from train.schedule import set_scalar
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
