@@ -17,7 +17,7 @@ COHORT_CODE = ("ingest/synth.py",)
 PRETRAIN_CODE = ("train/pretrain.py", "cache/build.py")
 # a fine-tuning run's folder (a supervised reference's too: its from-scratch run) sits under its pretraining run
 # (keyed on PRETRAIN_CODE); its own training loop, head,
-# participants, config defaults, the probes' fit (its fitted start, head_init: probe), the start features, the val
+# participants, config defaults, the start features, the val
 # score that picks its best epoch and the labelled data key its name too, through what evals/finetune.py imports
 FINETUNE_CODE = ("evals/finetune.py",)
 # files an entry imports that make none of its results, each with why (none today: `make plan`, train/plan.py,

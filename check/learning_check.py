@@ -41,7 +41,7 @@ from check.rows import (
 from check.verdicts import (
     finetune_against_supervised, finetune_verdict, label_efficiency_verdict, pct, verdict, verdict_lines)
 from evals import finetune, probe
-from evals.config import ProbeConfig
+from evals.config import FinetuneConfig, ProbeConfig
 from ingest import synth
 from octfm import cli, config
 from octfm.procs import call_job, cpu_seconds, git_commit, in_processes
@@ -137,6 +137,16 @@ def probe_config(cache_dir: Path, n_boot: int, random_draws: int, device: str, p
                         *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
 
 
+def finetune_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, device: str,
+                    *args: str) -> FinetuneConfig:
+    """configs/finetune.yaml as users run it, for one of the check's fine-tuning runs on the binary task:
+    bf16 on cuda, fp32 elsewhere; `args` override any key."""
+    return config.load(FinetuneConfig, "configs/finetune.yaml",
+                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
+                        f"seed={seed}", f"task={BINARY}", f"device={device}",
+                        f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
               progress: bool = True) -> Tuned:
@@ -147,16 +157,16 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     training alone on the same participants. Returns its best epoch's class probabilities for `rows`
     and its val curve (a lent GPU's call brings back only what the result holds)."""
     tag = finetune_tag(init, fraction, train_seed, seed)
-    cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
-                              *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
-                              *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
+    cfg = finetune_config(ckpt, cache, out / tag, init, fraction, seed, device, f"bootstrap={n_boot}",
+                            *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
+                            *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
     res = ft.run(progress=progress)
     top = res["probes"][0]
     return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed, "head": top["head"],
-                               "head_fit": top.get("head_fit"), "best_epoch": top["best_epoch"],
+                               "best_epoch": top["best_epoch"],
                                "best_step": top.get("best_step"), "epochs_run": res["epochs_run"],
                                "steps_run": ft.step, "val_every": cfg.val_every, "patience": cfg.patience,
                                "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]},

@@ -20,8 +20,7 @@ STANDARDIZED = {True: "The heads read each feature channel standardised by the t
 def tuned_line(run: dict) -> str:
     """One fine-tuning run in result.md: its head, best epoch and val per epoch."""
     seed = "" if run["train_seed"] is None else f", training seed {run['train_seed']}"
-    start = f" (started as a probe with val {run['head_fit']['val_balanced_accuracy']:.2f})" if run.get("head_fit") else ""
-    return (f"- {pct(run['fraction'])}, {run['init']} init{seed}, {run['head']} head{start}: best epoch "
+    return (f"- {pct(run['fraction'])}, {run['init']} init{seed}, {run['head']} head: best epoch "
             f"{run['best_epoch']} of {run['epochs_run']}; " + " ".join(f"{v:.2f}" for v in run["val"]))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args, train_here
-from evals import finetune
+from evals import finetune, finetune_schedule
 from evals.config import FinetuneConfig
 from octfm import cli, config
 from cache import store
@@ -109,9 +109,9 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
         assert og["lr"] is lr and len(og["params"]) == len(g["params"])
         assert all(a is b for a, b in zip(og["params"], g["params"])) and og["weight_decay"] == g["weight_decay"]
     # linear warmup, then cosine from 1 to 0
-    assert [finetune.lr_factor(s, 110, 10) for s in (0, 9, 60, 110)] == pytest.approx([0.1, 1.0, 0.5, 0.0])
+    assert [finetune_schedule.lr_factor(s, 110, 10) for s in (0, 9, 60, 110)] == pytest.approx([0.1, 1.0, 0.5, 0.0])
     # the loop computes it on the device from a step tensor: the same values
-    assert [float(finetune.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
+    assert [float(finetune_schedule.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
         pytest.approx([0.1, 1.0, 0.5, 0.0], abs=1e-6)
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
 
@@ -150,68 +150,18 @@ def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pre
     assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
     plain = _finetuner(_cfg(pretrained, tmp_path / "plain", head="attentive", standardize="false"))
     assert not hasattr(plain.model.head, "scale_p")
-    unscaled = _finetuner(_cfg(pretrained, tmp_path / "lp", standardize="false", head_init="probe"))  # a probe's head
-    assert not any(k.startswith("scale") for k in unscaled.model.head.state_dict())                   # on raw channels
 
 
-def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, tmp_path):
-    """LP-FT (docs/recipe.md, Fine-tuning): before the first epoch the head is a probe fitted as `make probe` fits
-    one (configs/probe.yaml's grid, the full train split's steps, chosen on val) on the starting
-    encoder's features of the label fraction's train rows; the fine-tuner's own predictions then are
-    that probe's. `head_init=zero`: a zero head, as before."""
-    from evals import probe
-    from evals.config import ProbeConfig
-
-    ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1, head="linear", head_init="probe"))
-    feats = {"pooled": _all_embeddings(ft)[0], "tokens": None}
-    pcfg = ProbeConfig(heads=["linear"], seed=ft.cfg.seed)
-    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
-    chosen, prob = probe.fit_and_select("linear", pcfg, feats, ft.y, ft.split, 2, ft.train, ft.split == "val")
-    assert ft.head_fit["lr"] == chosen["lr"] and ft.head_fit["weight_decay"] == chosen["weight_decay"]
-    assert ft.head_fit["val_balanced_accuracy"] == pytest.approx(chosen["val_balanced_accuracy"])
-    va = ft.split == "val"
-    assert np.allclose(ft.predict(va), prob[va], atol=1e-4)       # the fine-tuner starts where the probe ended
-    res = ft.run(progress=False)
-    assert res["probes"][0]["head_fit"] == ft.head_fit
-    zero = _finetuner(_cfg(pretrained, tmp_path / "zero", head_init="zero", head="linear"))
-    assert zero.head_fit is None and not zero.model.head.heads.w.any()
 
 
-def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretrained, tmp_path):
-    """`head: auto` (docs/recipe.md, Fine-tuning) fits a probe of each of the probes' kinds on the
-    starting features and fine-tunes the one val ranks first, started as that probe; the kind is
-    what the run reports and exports. It needs a fitted start: with head_init=zero it is refused."""
-    from evals import probe
-    from evals.config import ProbeConfig
-
-    ft = _finetuner(_cfg(pretrained, tmp_path / "auto", label_fraction=0.5, epochs=1, head="auto", head_init="probe"))
-    pooled, tokens = _all_embeddings(ft)
-    pcfg = ProbeConfig(seed=ft.cfg.seed)
-    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
-    fits = {k: probe.fit_and_select(k, pcfg, {"pooled": pooled, "tokens": tokens}, ft.y, ft.split, 2, ft.train,
-                                    ft.split == "val") for k in ("linear", "attentive")}
-    best = max(fits, key=lambda k: probe.val_rank(fits[k][0]["val_balanced_accuracy"], fits[k][0]["val_auroc"]))
-    assert ft.kind == best == ft.head_fit["head"] and ft.model.kind == best
-    assert ft.head_fit["val_by_head"] == pytest.approx({k: f[0]["val_balanced_accuracy"] for k, f in fits.items()})
-    va = ft.split == "val"
-    assert np.allclose(ft.predict(va), fits[best][1][va], atol=1e-4)
-    assert ft.state()["finetune"]["head"] == best                      # what make export writes
-    with pytest.raises(config.ConfigError, match="'head': auto .* needs head_init: probe"):
-        _cfg(pretrained, tmp_path / "z", head="auto", head_init="zero")
-
-
-@pytest.mark.parametrize("kw", [{"head": "attentive"},  # standardised, zero start: the shipped recipe's head
-                                pytest.param({"head": "linear", "standardize": "false", "head_init": "probe"},
-                                             marks=pytest.mark.slow)])  # a fitted raw head (12 s): the heavy lane
-def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch, kw):
-    """A resume rebuilds the head (its kind, scalers and fitted start's record) from the checkpoint
-    instead of extracting the start features and refitting the probes again (stop 53 left that): the
-    resumed head is the one the cut run held when it saved (not merely the file's, which the resume
-    read: issue 65, item 8), and epoch 1 had moved it from its start; the saved shapes load into the
-    head make_heads builds (probe_heads.shaped_like, as make export's folders do)."""
+def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch):
+    """A resume rebuilds the head (its kind and scalers) from the checkpoint instead of extracting the
+    start features again: the resumed head is the one the cut run held when it saved (not merely the
+    file's, which the resume read), and epoch 1 had moved it from its start; the saved shapes load
+    into the head make_heads builds (probe_heads.shaped_like, as make export's folders do)."""
     from evals import probe_heads
 
-    cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, **kw)
+    cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, head="attentive")
     ft = _finetuner(cfg)
     held = lambda: {k: v.detach().clone() for k, v in ft.model.head.state_dict().items()}  # noqa: E731
     start, at_save = held(), []
@@ -234,26 +184,13 @@ def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, 
         raise AssertionError("the start features were extracted again on a resume")
     monkeypatch.setattr(finetune.Finetuner, "start_features", refused)
     again = _finetuner(cfg)
-    assert again.resumed and again.epoch == 1 and again.kind == ft.kind and again.head_fit == ft.head_fit
+    assert again.resumed and again.epoch == 1 and again.kind == ft.kind
     assert len(at_save) == 1 and not same_state(at_save[0], start)     # epoch 1 trained the head
     assert same_state(again.model.head.state_dict(), at_save[0])
     assert again.run(progress=False)["epochs_run"] == 2
     made = probe_heads.make_heads(ft.kind, 1, ft.model.encoder.norm.normalized_shape[0], 2)
     probe_heads.shaped_like(ft.kind, made, st["head"]).load_state_dict(st["head"])  # strict: every key, every shape
 
-
-@pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
-def test_one_head_of_a_grid_predicts_as_it_did_in_the_grid(kind):
-    from evals import probe_heads
-
-    rng = np.random.default_rng(0)
-    pooled, tokens = rng.normal(size=(40, 8)).astype(np.float32), rng.normal(size=(40, 6, 8)).astype(np.float32)
-    y = (pooled[:, 0] > 0).astype(np.int64)
-    grid = probe_heads.train_heads(kind, [(1e-2, 0.0), (3e-3, 0.1)], pooled, tokens, y, 2, 3, 8, 0, standardize=True)
-    for h in range(2):
-        one = probe_heads.HeadGrid(grid.one(h), torch.device("cpu"))
-        assert np.allclose(one(pooled, tokens)[0], grid(pooled, tokens)[h], atol=1e-6)
-    assert grid.one(1).heads.w.shape[0] == 1
 
 
 @pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
@@ -378,12 +315,12 @@ def test_a_step_budget_ends_the_run_whatever_the_label_fraction(pretrained, tmp_
     """max_steps (FinetuneConfig) stops a run at a number of optimizer steps, so all labels do not
     train ten times the steps of 10%; never before the frozen epochs and one more."""
     cfg = _cfg(pretrained, tmp_path / "budget", epochs=40, frozen_epochs=1, max_steps=5)
-    assert finetune.budget_epochs(cfg, per_epoch=2) == 3 and finetune.budget_epochs(cfg, per_epoch=10) == 2
-    assert finetune.budget_epochs(_cfg(pretrained, tmp_path / "b2", epochs=4), per_epoch=2) == 4
+    assert finetune_schedule.budget_epochs(cfg, per_epoch=2) == 3 and finetune_schedule.budget_epochs(cfg, per_epoch=10) == 2
+    assert finetune_schedule.budget_epochs(_cfg(pretrained, tmp_path / "b2", epochs=4), per_epoch=2) == 4
     ft = _finetuner(cfg)
     per_epoch = ft.loader(0)[0]
     res = ft.run(progress=False)
-    assert res["epochs_run"] == finetune.budget_epochs(cfg, per_epoch) < 40
+    assert res["epochs_run"] == finetune_schedule.budget_epochs(cfg, per_epoch) < 40
 
 
 def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch):
@@ -469,7 +406,7 @@ def test_val_every_scores_by_steps_and_keeps_the_best_state(pretrained, tmp_path
     seen = {}
 
     def scripted():
-        v = {"epoch": finetune.epochs_of(ft.step, ft.per_epoch), "step": ft.step, "balanced_accuracy": next(scores),
+        v = {"epoch": finetune_schedule.epochs_of(ft.step, ft.per_epoch), "step": ft.step, "balanced_accuracy": next(scores),
              "auroc": 0.5}
         seen[ft.step] = {k: t.clone() for k, t in ft.model.encoder.state_dict().items()}
         return v
