@@ -157,6 +157,15 @@ def test_learning_check_device_builds_the_check_command_from_make_variables(tmp_
     assert two[two.index("--finetune-seeds") + 1] == "2"
     off = check_command(_lc_args(tmp_path, finetune="0", ft_seeds="5"), [])
     assert "--finetune" not in off and "--finetune-seeds" not in off and "--seed" not in off
+    # CUE=scanners asks its one question: no reference nor fine-tuning per held-out scanner (the check refuses them)
+    scanners = check_command(_lc_args(tmp_path, cue="scanners"), [])
+    assert "--label-efficiency" not in scanners and "--finetune" not in scanners
+    from bench.device_run import HELD_OUT_CUES
+    from check import learning_check
+
+    assert set(HELD_OUT_CUES) == {c for c, cue in learning_check.CUES.items() if cue.protocol != "splits"}
+    for c in (cmd, smoke, two, off, scanners):                   # each a command line the check takes
+        learning_check.parse(c[c.index("--size"):])
 
 
 def test_learning_check_device_brings_back_the_log_and_results_of_a_run_cut_short(tmp_path, monkeypatch, capfd):

@@ -138,7 +138,8 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     # the from-scratch run at 100% is the reference there: one run for both rows (its features are the reference's)
     assert sum(s.startswith("fine-tuning (random init), 100%") for s in res2["stages"]) == 1
 
-    scanners = run_cli("check.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
+    headline = [a for a in args if a != "--curve"]                     # the scanners cue trains no reference
+    scanners = run_cli("check.learning_check", *headline, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
     assert "nothing to do" in scanners.stdout
     sres = json.loads((out / "scanners" / "result.json").read_text())
@@ -537,6 +538,19 @@ def test_an_unknown_check_key_is_refused_by_name():
         learning_check.parse(["--set", "reference_fractions=[0.5]"])
     with pytest.raises(config.ConfigError, match="FT_SEEDS"):                 # fine-tuning seeds without fine-tuning
         learning_check.parse(["--finetune-seeds", "3"])
+
+
+def test_the_scanners_cue_refuses_the_questions_it_does_not_ask_by_name():
+    """CUE=scanners holds each scanner out in turn and trains no supervised reference or fine-tuning run per
+    fold: LABELS=1, CURVE=1, FINETUNE=1 and FT_SEEDS there are refused naming the flag, never dropped in
+    silence; the other cues take them."""
+    for argv, flag in ((["--label-efficiency"], "LABELS=1"), (["--curve"], "CURVE=1"), (["--finetune"], "FINETUNE=1"),
+                       (["--finetune-fraction", "0.5"], "FINETUNE=1"),
+                       (["--finetune", "--finetune-seeds", "2"], "FINETUNE=1")):
+        with pytest.raises(config.ConfigError, match=f"scanners.*{flag}"):
+            learning_check.parse(["--cue", "scanners", *argv])
+        assert learning_check.parse(["--cue", "layers", *argv]).cue == "layers"
+    assert learning_check.parse(["--cue", "scanners"]).cue == "scanners"   # the question it asks
 
 
 def test_each_question_has_its_own_verdict_line():
