@@ -379,6 +379,19 @@ def signal_cache(request, tmp_path_factory) -> Path:
     return own_copy(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
 
 
+def _build_signal_run(cache: Path, root: Path) -> None:
+    train_here(*tiny_train_args(cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
+
+
+@pytest.fixture(scope="session")
+def signal_run(request, tmp_path_factory) -> Path:
+    """A 2-step pretraining run on the planted-signal cache, built once per session and shared read-only
+    (its config names the shared build of signal_cache): a test that writes into the run (a probe's
+    reports, a checkpoint) copies it first."""
+    cache = built_once(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
+    return built_once(request, tmp_path_factory, "signal_run", lambda root: _build_signal_run(cache, root)) / "runs" / "p"
+
+
 def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[str]:
     """Overrides for configs/pretrain_smoke.yaml that make a seconds-long CPU run."""
     args = {

@@ -1,5 +1,6 @@
-"""`make finetune`: end to end on a small planted-signal cache, frozen epochs, layer-wise decay,
-a killed run resumed, a model folder and a checkpoint alike."""
+"""`make finetune`: end to end from the session's tiny run (the planted-signal run where a label fraction
+must leave train participants out), frozen epochs, layer-wise decay, a killed run resumed, a model folder
+and a checkpoint alike."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args, train_here
+from conftest import REPO, run_cli, same_optimizer, same_state
 from evals import finetune, finetune_schedule
 from evals.config import FinetuneConfig
 from octfm import cli, config
@@ -23,12 +24,18 @@ from train import checkpoint, runtime
 QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
 
 
-@pytest.fixture(scope="module")
-def pretrained(signal_cache, tmp_path_factory):
-    """A checkpoint of a 2-step pretraining run on the planted-signal cache."""
-    root = tmp_path_factory.mktemp("finetune")
-    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
-    return root / "runs" / "p" / "checkpoints" / "step_0000002.pt"
+@pytest.fixture(scope="session")
+def pretrained(tiny_run):
+    """The session's tiny run's last checkpoint (tiny_cache's 24 volumes, 8 of them train): read only, every
+    run here writes under its own `out`."""
+    return tiny_run / "checkpoints" / "step_0000004.pt"
+
+
+@pytest.fixture(scope="session")
+def signal_pretrained(signal_run):
+    """The shared 2-step run on the planted-signal cache (40 train participants): for the tests whose
+    label fraction must be a strict subset of the train participants (tiny_cache has four)."""
+    return signal_run / "checkpoints" / "step_0000002.pt"
 
 
 def _cfg(ckpt, out, **kw) -> FinetuneConfig:
@@ -133,13 +140,13 @@ def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
     return pooled[ft.train], tokens[ft.train]
 
 
-def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path):
+def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(signal_pretrained, tmp_path):
     """The probes' heads read standardised channels and fine-tuning's head does too (docs/recipe.md,
     Fine-tuning), by the statistics of the encoder it starts from over the label fraction's train rows; a token head scales its tokens as well (the attentive head here).
     `standardize=false`: the head as before. The statistics stay fixed while the encoder trains."""
-    ft = _finetuner(_cfg(pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
+    ft = _finetuner(_cfg(signal_pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
     pooled, tokens = _train_embeddings(ft)
-    assert ft.train.sum() < len(ft.train)  # a label fraction: the statistics are its rows'
+    assert ft.train.sum() < (ft.split == "train").sum()  # a label fraction: the statistics are its rows'
     scaled = ft.model.head.scale_p(torch.from_numpy(pooled)).numpy()
     moving = pooled.std(0) > 1e-4
     assert np.allclose(scaled.mean(0), 0, atol=1e-3) and np.allclose(scaled.std(0)[moving], 1, atol=1e-2)
@@ -148,7 +155,7 @@ def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pre
     before = {k: v.clone() for k, v in ft.model.head.state_dict().items() if k.startswith("scale")}
     ft.run(progress=False)
     assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
-    plain = _finetuner(_cfg(pretrained, tmp_path / "plain", head="attentive", standardize="false"))
+    plain = _finetuner(_cfg(signal_pretrained, tmp_path / "plain", head="attentive", standardize="false"))
     assert not hasattr(plain.model.head, "scale_p")
 
 
@@ -329,22 +336,22 @@ def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch
     reads, real = [], encoder.volume_batches
 
     def counting(cache, rows, *a, **kw):
-        reads.append(len(rows))
+        reads.append(sorted(r["relpath"] for r in rows))
         return real(cache, rows, *a, **kw)
 
     monkeypatch.setattr(encoder, "volume_batches", counting)
     ft = _finetuner(_cfg(pretrained, tmp_path / "val", epochs=3))
     ft.run(progress=False)
-    n_val = int((ft.split == "val").sum())
-    assert reads.count(n_val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)
+    val = sorted(r["relpath"] for r, s in zip(ft.rows, ft.split) if s == "val")
+    assert reads.count(val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)
 
 
-def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
+def test_a_training_seed_keeps_the_labelled_participants(signal_pretrained, tmp_path):
     """train_seed varies the training (random init, head, order) on the participants `seed` picked:
     several training seeds per init read on one subset; unset, it is `seed`."""
-    runs = {ts: _finetuner(_cfg(pretrained, tmp_path / f"t{ts}", init="random", label_fraction=0.5, seed=3,
+    runs = {ts: _finetuner(_cfg(signal_pretrained, tmp_path / f"t{ts}", init="random", label_fraction=0.5, seed=3,
                                 **({} if ts is None else {"train_seed": ts}))) for ts in (None, 3, 4)}
-    other = _finetuner(_cfg(pretrained, tmp_path / "s4", init="random", label_fraction=0.5, seed=4))
+    other = _finetuner(_cfg(signal_pretrained, tmp_path / "s4", init="random", label_fraction=0.5, seed=4))
     assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
@@ -400,7 +407,7 @@ def test_val_every_scores_by_steps_and_keeps_the_best_state(pretrained, tmp_path
     kept, and the checkpoints are numbered by step."""
     import itertools
 
-    cfg = _cfg(pretrained, tmp_path / "steps", init="random", epochs=4, val_every=2, patience=2, warmup_epochs=0)
+    cfg = _cfg(pretrained, tmp_path / "steps", init="random", epochs=10, val_every=2, patience=2, warmup_epochs=0)
     ft = _finetuner(cfg)
     scores = itertools.chain([0.5, 0.9, 0.6, 0.6, 0.95], itertools.repeat(0.1))
     seen = {}

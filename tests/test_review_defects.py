@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import keys_after_edits, tiny_train_args, train_here
+from conftest import keys_after_edits
 from octfm import config
 from train import checkpoint, runtime
 
@@ -16,11 +16,9 @@ QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=f
 
 
 @pytest.fixture(scope="module")
-def pretrained(signal_cache, tmp_path_factory):
-    """A 2-step pretraining run on the planted-signal cache: its checkpoints folder."""
-    root = tmp_path_factory.mktemp("review")
-    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
-    return root / "runs" / "p" / "checkpoints"
+def pretrained(signal_run):
+    """The session's 2-step run on the planted-signal cache: its checkpoints folder (read only)."""
+    return signal_run / "checkpoints"
 
 
 # ---------------------------------------------------------------- 3: the start a resumed run trained from
