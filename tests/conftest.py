@@ -36,6 +36,28 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
+def run_here(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args` in this process: its main through cli.run (the same exit status, stdout and
+    stderr as run_cli), for a test that runs a stage again and again. A subprocess costs about 6 s of
+    imports per run on 2 cores; each command keeps a run_cli test of its own start (the entry, its exit
+    status) somewhere in the light lane."""
+    import contextlib
+    import importlib
+    import io
+
+    from octfm import cli
+
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.run(main, list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
+
+
 def train_here(*args: str) -> str:
     """`make pretrain` in this process (configs/pretrain_smoke.yaml, then `args`): its stdout.
     For tests that run several short trainings and read their files: a subprocess costs about 6 s
@@ -367,15 +389,15 @@ def tiny_cache(request, tmp_path_factory) -> Path:
 def _build_signal_cache(folder: Path) -> None:
     synth.generate(folder / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
                                                     signal=4.0))
-    r = run_cli("cache.build", "--source", str(folder / "ds"), "--cache", str(folder / "cache"), "--no-progress",
-                "preprocess.target_shape=[16,64,64]")
+    r = run_here("cache.build", "--source", str(folder / "ds"), "--cache", str(folder / "cache"), "--no-progress",
+                 "preprocess.target_shape=[16,64,64]")
     assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture(scope="session")
 def signal_cache(request, tmp_path_factory) -> Path:
     """A cache with a planted class signal (INL thickness grows with the label), 60
-    participants, built by the real `cache.build` command; shared by the probe tests."""
+    participants, built by `cache.build`'s main (in this process: conftest.run_here); shared by the probe tests."""
     return own_copy(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
 
 
@@ -414,8 +436,8 @@ def _build_tiny_run(cache: Path, root: Path) -> None:
                                                            "wandb.log_checkpoints": "true", "online_probe.k": 3})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
-                "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
+    r = run_here("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
+                 "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
     assert r.returncode == 0, r.stderr[-2000:]
 
 

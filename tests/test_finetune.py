@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_cli, same_optimizer, same_state
+from conftest import REPO, run_cli, run_here, same_optimizer, same_state
 from evals import finetune, finetune_schedule
 from evals.config import FinetuneConfig
 from octfm import cli, config
@@ -224,7 +224,7 @@ def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
 
 def test_a_model_folder_and_a_checkpoint_finetune_alike(pretrained, tmp_path):
     folder = tmp_path / "model"
-    r = run_cli("evals.export", "--ckpt", str(pretrained), "--out", str(folder))
+    r = run_here("evals.export", "--ckpt", str(pretrained), "--out", str(folder))
     assert r.returncode == 0, r.stderr[-2000:]
     runs = {name: _finetuner(_cfg(src, tmp_path / name, epochs=1)) for name, src in (("ckpt", pretrained),
                                                                                       ("folder", folder))}
@@ -245,7 +245,7 @@ def test_the_best_epoch_exports_with_its_head(pretrained, tmp_path):
     ft = _finetuner(_cfg(pretrained, tmp_path / "ft", epochs=1, head="attentive"))  # the head with more to export
     ft.run(progress=False)  # leaves the best epoch's weights in the model
     folder = tmp_path / "model"
-    r = run_cli("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
+    r = run_here("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
     assert r.returncode == 0, r.stderr[-2000:]
     conf = json.loads((folder / "config.json").read_text())
     assert conf["head"]["task"] == "diabetic" and conf["head"]["kind"] == "attentive"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, tiny_train_args
+from conftest import REPO, guard_driver, run_cli, run_here, same_optimizer, same_weights, tiny_train_args
 
 from octfm import config
 from train import checkpoint, data, guard, pretrain, runtime, schedule, startup
@@ -262,7 +262,7 @@ def test_update_guard_lockout_stops_the_run_naming_step_and_checkpoint(tiny_cach
     skipped updates the run stops with status 1, naming the step and the newest checkpoint."""
     args = tiny_train_args(tiny_cache, tmp_path, name="lock", max_steps=20, ckpt_every=2,
                            **{"optim.spike_factor": 1e-6, "optim.max_consecutive_skips": 3})
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args)
+    r = run_here("train.pretrain", "--config", SMOKE, "--no-progress", *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     ckpts = tmp_path / "lock" / "checkpoints"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_here
 from ingest import phantom
 from manifests import schema
 from octfm import fsio
@@ -127,7 +127,7 @@ def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_us
     assert r.returncode == 0, r.stderr[-2000:]
     html = (qc_cache / "report.html").read_text()
     assert "Run:" not in html and len(data_uri_pngs(html)) == 2
-    r = run_cli("report", "--cache", str(tmp_path / "nowhere"), "--no-progress")
+    r = run_here("report.page", "--cache", str(tmp_path / "nowhere"), "--no-progress")
     assert r.returncode == 2 and str(tmp_path / "nowhere") in r.stderr
 
 
