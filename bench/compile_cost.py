@@ -79,14 +79,12 @@ def models(cfg):
 
 
 def step_inputs(cfg, grid, sizes, batch: int):
-    """A batch as the step sees it: uint8 volumes, augmentation, each mask set's ids (a padded
-    context with its validity)."""
+    """A batch as the step sees it: uint8 volumes, augmentation, each mask set's ids."""
     x = torch.randint(0, 256, (batch, 1, *cfg.data.input_shape), dtype=torch.uint8)
     aug = torch.tensor([[1.0, 0.0]] * batch)
-    padded = cfg.mask.context == "padded"
     pairs = [(torch.randint(0, grid.tokens, (batch, s.context_cells * grid.depth), dtype=torch.int32),
-              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32),
-              torch.ones(batch, s.context_cells * grid.depth, dtype=torch.bool) if padded else None) for s in sizes]
+              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32), None)
+             for s in sizes]
     return x, aug, pairs
 
 
