@@ -33,9 +33,9 @@ import numpy as np
 from check import token_probe
 from check.cohort import BINARY, CUES, build_cache, cohort, eval_device
 from check.config import FINETUNE_FRACTIONS, FRACTIONS, SIZES, CheckConfig
-from check.keys import finetune_tag, recipe_name
+from check.run_names import finetune_tag, recipe_name
 from check.report import markdown, plot, probe_line, set_aside_results, write_result
-from check.rows import (
+from check.result_rows import (
     curve_fits, headline_probes, online_curve, probe_all, reference_training, supervised_features,
     training_summary)
 from check.verdicts import (
@@ -54,7 +54,7 @@ from train.run_folder import RunFolder
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 80 epochs' 31,400
-# the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
+# the held-out-scanner rows: the pretraining is the lesions run, which saw every scanner
 TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
                 "one's included; only the probes hold it out")
 
@@ -259,7 +259,7 @@ def check(cfg: CheckConfig) -> dict:
         result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
         result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
     if reads_tokens:  # a generated cohort's answer key
-        # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them (stop 50's was)
+        # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them
         write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
         tokens = stages.run("token probe", lambda: token_probe.run(
             ckpt, source, probe_dir / "tokens", cache, pcfg.seed, device=device, batch=pcfg.extract_batch,

@@ -1,7 +1,7 @@
 """`make embed`: a pandas table with one row per cached volume and its pooled embedding;
 reuses the probes' features, a killed run resumes from the chunks it wrote (its own
 checkpoint's only), a second run on the same output is refused while the first lives, and a
-split leak in the manifest does not stop it (issue 26, defect 1)."""
+split leak in the manifest does not stop it."""
 from __future__ import annotations
 
 import os
@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from conftest import REPO, run_cli, run_here
+from conftest import REPO, keys_after_edits, run_cli, run_here
 from cache import store
 from evals import features
-from octfm import fsio
+from octfm import config, fsio
 from train import data, encoder
 
 KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label"]
@@ -177,3 +177,25 @@ def test_a_split_leak_does_not_stop_embedding(tiny_run, tiny_cache, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = data.select_rows(str(cache), ["train", "val", "test"], None)
     assert len(pd.read_parquet(tmp_path / "e.parquet")) == len(rows)
+
+
+def test_kept_features_embeddings_and_leaderboard_rows_are_keyed_on_their_code(tmp_path, monkeypatch):
+    """An edit to the model's code (the bf16 residual stream changed the pooled features) makes the
+    features, the embeddings and the leaderboard's stored rows afresh: their keys change; an edit
+    to a file none of them imports keeps them."""
+    from evals import embed, features, leaderboard
+    from evals.config import ProbeConfig
+    from train.config import TrainConfig
+
+    ident, cfg = {"step": 2, "name": "step_0000002.pt"}, TrainConfig()
+    rows = [{"relpath": "a.dcm", "cache_key": "k"}]
+
+    def keys() -> tuple[str, str, str]:
+        return (features.feature_key(ident, rows, cfg, (1, 2, 2)), embed.embed_key(ident, cfg, "c"),
+                leaderboard.settings_key(ProbeConfig()))
+
+    packages = {f.split("/")[0] for f in config.import_closure("evals/probe.py", "train/plan.py")}
+    before, plan_edited, after = keys_after_edits(tmp_path, monkeypatch, packages, keys,
+                                                  ["train/plan.py", "train/model.py"])
+    assert plan_edited == before
+    assert [a != b for a, b in zip(after, before)] == [True, True, True], (before, after)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -461,7 +463,7 @@ def _on_two_processes(cfg: FinetuneConfig) -> finetune.Finetuner:
 
 
 def test_a_run_resumed_on_another_process_count_continues_at_its_epoch(pretrained, tmp_path):
-    """Issue 75, item 4: stopped after epoch 2 of 6 on one process and resumed on two, the run
+    """Stopped after epoch 2 of 6 on one process and resumed on two, the run
     continues at epoch 2 of the two-process layout (whose epochs have half the steps), not at the
     one-process step count read as two-process steps (epoch 4: two epochs never trained, the
     schedule at 67%)."""
@@ -496,3 +498,29 @@ def test_a_one_process_run_resumes_under_torchrun_at_its_epoch(pretrained, tmp_p
     assert "resume: batch 4 x 1 process(es) -> 4 x 2" in r.stdout and "at epoch 2" in r.stdout
     m = json.loads((out / "diabetic" / "metrics.json").read_text())
     assert [h["epoch"] for h in m["history"]] == [2, 3] and m["epochs_run"] == 3
+
+
+def test_a_resumed_finetune_reports_the_start_it_trained_from(signal_run, tmp_path):
+    """CKPT=<run>/checkpoints/latest.pt, and the pretraining saves again before the fine-tuning run
+    resumes: metrics.json's `from` is the checkpoint the run trained from (step 2), not the one
+    latest.pt points at now (step 4)."""
+    from evals import finetune
+    from evals.config import FinetuneConfig
+
+    pretrained = Path(shutil.copytree(signal_run / "checkpoints", tmp_path / "checkpoints"))  # it saves into it
+    cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
+                      [f"ckpt={pretrained / 'latest.pt'}", f"out={tmp_path / 'ft'}", "epochs=2", *QUICK])
+    first = finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
+    assert first.ident["step"] == 2
+    first.step, first.epoch = first.per_epoch, 1  # as if epoch 1 had trained, then the run stopped
+    first.history = [{"epoch": 1, "step": first.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
+    first.save()
+    first.writer.wait()
+    st = checkpoint.load(str(pretrained / "step_0000002.pt"))
+    checkpoint.save({**st, "step": 4}, str(pretrained), 4)  # the pretraining moves on
+    resumed = finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
+    assert resumed.resumed
+    res = resumed.run(progress=False)
+    reported = json.loads((tmp_path / "ft" / "diabetic" / "metrics.json").read_text())["from"]
+    assert reported == res["from"] == first.ident, reported
+    assert checkpoint.load(str(tmp_path / "ft" / "checkpoints" / "best.pt"))["finetune"]["from"] == first.ident

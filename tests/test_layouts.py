@@ -193,17 +193,17 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
     reuses every row and the learning check's pretraining run, named for its cache, keeps its name (it
     resumes); the same folder regenerated with other participants rebuilds sources.parquet, caches
     exactly the new files, and names another run."""
-    from check import keys
+    from check import run_names
 
     root = tree(tmp_path, participants=8)
     cache = str(tmp_path / "cache")
     cfg = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
     cache_build.build(root, cache, cfg, progress=False)
-    before = keys.recipe_name("configs/pretrain_check.yaml", cache, [])
+    before = run_names.recipe_name("configs/pretrain_check.yaml", cache, [])
     capsys.readouterr()
     again = cache_build.build(root, cache, cfg, progress=False)           # the second run: nothing changed
     assert f"{len(again)} reused, 0 processed" in capsys.readouterr().out
-    assert keys.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # the same run: it resumes
+    assert run_names.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # the same run: it resumes
     tree(tmp_path, participants=6, seed=9)                   # same path, other files
     stored = cache_build.layout.read_sources(cache)[0]
     capsys.readouterr()
@@ -215,7 +215,7 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
     now, _ = rows_by_relpath(root)
     assert sorted(rows.relpath) == list(now.index)
     assert all((tmp_path / "plain" / rel).exists() for rel in rows.relpath)
-    assert keys.recipe_name("configs/pretrain_check.yaml", cache, []) != before
+    assert run_names.recipe_name("configs/pretrain_check.yaml", cache, []) != before
 
 
 def test_the_manifest_summary_previews_the_cache(tmp_path):

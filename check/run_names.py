@@ -1,5 +1,6 @@
-"""What keys the learning check's kept results: each is made afresh when the code it runs changes (its
-entry files' import closure), and reused otherwise."""
+"""The names of the learning check's kept results (its pretraining runs, fine-tuning folders, jobs): each
+name holds a key of the code that makes the result (its entry files' import closure), so an edit to that
+code makes it afresh and an edit elsewhere reuses it."""
 from __future__ import annotations
 
 import hashlib
