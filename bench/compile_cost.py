@@ -1,4 +1,4 @@
-"""What compiling the production ViT-B step costs, measured on the CPU without its FLOPs (issue 75).
+"""What compiling the production ViT-B step costs, measured on the CPU without its FLOPs.
 
 `python -m bench.compile_cost [--out FILE.json]` (a few minutes on 2 cores; `uptime`'s load is
 recorded beside the numbers, since other work may share the machine).

@@ -7,7 +7,7 @@ call cut short keeps what it measured. OUT holds results only (those two, the CU
 the cohorts, caches, runs and checkpoints go to a scratch folder outside it (`--work`, default a
 fresh folder under the system's temp), removed at the end, also when the call is stopped.
 
-The items, in the order of what each tells per second of a ten-minute call (issue 75):
+The items, in the order of what each tells per second of a ten-minute call:
 
 - environment: the card, torch and CUDA, the measured bf16 matmul rate (what MFU divides by);
 - production: the ViT-B step of configs/pretrain_multi_domain.yaml at its batch, bf16: eager,

@@ -6,10 +6,10 @@ from bench import verdict
 
 PRODUCTION = "configs/pretrain_multi_domain.yaml"
 CHECK = "configs/pretrain_check_gpu.yaml"  # the learning check at GPU size (make learning-check-device)
-# issue 62's targets: MFU against the measured bf16 matmul rate, octfm / vjepa2 at equal work, the data wait of a
+# the targets: MFU against the measured bf16 matmul rate, octfm / vjepa2 at equal work, the data wait of a
 # real run, the check's step at batch 256, and make plan's peak against the measured one
 MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET, CHECK_STEP_TARGET_S, PLAN_TOLERANCE = 0.40, 1.5, 0.05, 0.060, 0.10
-CHECK_TARGET_S = 360  # issue 41: the GPU-size learning check from a bare machine
+CHECK_TARGET_S = 360  # the GPU-size learning check from a bare machine
 
 
 def _measured(section: dict) -> dict:

@@ -1,6 +1,6 @@
 """Many probe heads trained at once on frozen features: a grid of learning rate x weight
 decay for a linear probe (the pooled tokens, `model.pool`), an attentive probe (learned queries
-attend over the tokens), and a readout for a few informative tokens among many (issue 41):
+attend over the tokens), and a readout for a few informative tokens among many (check/token_probe.py):
 gated-attention multiple-instance pooling. (A top-k readout of per-token class scores was tried
 and left out: on the two-marked-tokens test of tests/test_probe.py it trained to 0.48 or to 0.95
 depending on the learning rate and the number of bags; docs/history/learning-check.md, a readout

@@ -1,4 +1,4 @@
-"""make device-check's budget (issue 75): one lent GPU call of about ten minutes, the most telling
+"""make device-check's budget: one lent GPU call of about ten minutes, the most telling
 numbers first. Each item has a predicted cost (CPU measurements scaled to the GPU) and a cap; it
 starts only when its prediction fits in what is left and is stopped at its cap. No GPU needed."""
 import json

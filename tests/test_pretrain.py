@@ -221,7 +221,7 @@ def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
     assert sorted(p.name for p in ckdir.glob("step_*.pt")) == [f"step_{s:07d}.pt" for s in range(5, 31, 5)]
 
 
-@pytest.mark.slow  # about 24 s on 2 cores (stop 53: make test at its 7 minutes): the heavy lane, beside the other torchrun tests
+@pytest.mark.slow  # about 24 s on 2 cores (make test at its time): the heavy lane, beside the other torchrun tests
 def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
     one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, batch_size=4)
     r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *one)
@@ -410,7 +410,7 @@ def test_startup_dates_the_loader_workers_start(tmp_path):
 
 @pytest.mark.parametrize("broken", ["proc", "boottime"])
 def test_a_worker_starts_where_its_start_cannot_be_dated(tmp_path, monkeypatch, broken):
-    """Issue 65, item 6: a system without /proc (or CLOCK_BOOTTIME) must not stop a loader worker
+    """A system without /proc (or CLOCK_BOOTTIME) must not stop a loader worker
     over a diagnostic: note_worker_start returns, and notes nothing it could not date."""
     import builtins
 
@@ -499,7 +499,7 @@ def test_the_process_server_preloads_what_our_main_module_imported(monkeypatch, 
 def test_workers_of_a_python_m_main_start_without_runpy_warnings(tmp_path):
     """`python -m ingest.synth` with its process pool (64 participants and up): each forkserver
     worker runs the main module again; with the main module preloaded by its name runpy warned
-    "found in sys.modules" once per worker (15 times per loader on the H200, stop 50)."""
+    "found in sys.modules" once per worker (15 times per loader on the H200)."""
     r = subprocess.run([sys.executable, "-m", "ingest.synth", "--out", str(tmp_path / "s"), "--participants", "64",
                         "--scale", "16", "--no-bad-files", "--unlabeled", "0"], cwd=REPO, capture_output=True, text=True,
                        timeout=300)

@@ -266,7 +266,7 @@ def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(ki
 
 
 def test_standardised_heads_read_a_channel_whatever_its_scale():
-    """Decision 21: with `standardize` every channel is scaled by the training rows' statistics, so a
+    """With `standardize` every channel is scaled by the training rows' statistics, so a
     head's predictions do not change when one channel is multiplied by 1,000 and another shifted;
     without it they do (the heads' per-token LayerNorm alone is not per-channel)."""
     from evals import probe_heads
@@ -341,7 +341,7 @@ def test_a_channel_constant_in_training_is_left_unscaled():
 
 
 def test_min_steps_trains_few_rows_for_more_epochs(monkeypatch):
-    """Decision 32: with `min_steps` a head on few rows trains that many optimizer steps (more
+    """With `min_steps` a head on few rows trains that many optimizer steps (more
     epochs), one on many rows its `epochs` as before; 0 leaves `epochs` alone. Counted on the
     optimizer itself, and the config key is what reaches it."""
     from evals import probe_heads
@@ -421,7 +421,7 @@ def test_a_fit_scales_and_norms_its_rows_once_as_each_batch_would(kind):
 
 
 def test_a_checkpoints_weights_and_identity_come_from_one_file(tmp_path, monkeypatch):
-    """Issue 65, item 4: latest.pt is resolved once. A save that lands between reading the weights
+    """latest.pt is resolved once. A save that lands between reading the weights
     and naming them (`make probe CKPT=.../latest.pt` while training runs) must not record step 1's
     weights under step 2's name."""
     from evals import features

@@ -1,6 +1,6 @@
 """Resuming a run under a changed config: the schedules keep the horizon they were set with
-(issue 26, defect 2), and the data continues where it stopped under another batch size or
-process count, or the resume is refused (defect 3)."""
+and the data continues where it stopped under another batch size or
+process count, or the resume is refused."""
 import json
 import os
 import subprocess

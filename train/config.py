@@ -158,7 +158,7 @@ class TrainConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
 
-BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut (4ac2cad): it reads what earlier code wrote
+BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut: it reads what earlier code wrote
 
 
 def before_v1(what: str) -> str:
