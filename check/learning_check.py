@@ -184,15 +184,15 @@ def check(cfg: CheckConfig) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished. The supervised
     references are `make finetune` from random init at cfg.reference_fractions: the very runs the
     fine-tuning rows set the checkpoint against (one run where both want it)."""
-    spec, cue, work, out, n_boot = CUES[cfg.cue], cfg.cue, Path(cfg.work), Path(cfg.out), cfg.bootstrap
-    config_path, overrides, together = cfg.pretrain_config, cfg.overrides, cfg.threads
+    spec, work, out, n_boot = CUES[cfg.cue], Path(cfg.work), Path(cfg.out), cfg.bootstrap
+    config_path, overrides = cfg.pretrain_config, cfg.overrides
     stages, generated, source = Stages(), cfg.source is None, cfg.source
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
     home = work / f"{spec.cohort_name}_seed{cfg.seed}"
     cache_dir = home / "cache" if generated else work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     cohort_seed = cfg.seed if generated else None  # the cohort's own training seeds and random-init draws
     pcfg = probe_config(cache_dir, n_boot, cfg.draws, device, cfg.probe, cohort_seed)  # bad --probe keys: before work
-    dest = out / cue
+    dest = out / cfg.cue
     if set_aside_results(dest):  # an earlier run's: never beside this run's interim result (a run cut short)
         print(f"learning-check: moved the earlier run's result files to {dest / 'previous'}/", flush=True)
     if generated:
@@ -206,7 +206,7 @@ def check(cfg: CheckConfig) -> dict:
     grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
     t_seeds = training_seeds(cohort_seed, pcfg.seed, cfg.finetune_seeds)  # the fine-tuning runs' and references'
-    about = {"cue": cue, "size": cfg.size, "commit": git_commit(Path(__file__).resolve().parents[1]),
+    about = {"cue": cfg.cue, "size": cfg.size, "commit": git_commit(Path(__file__).resolve().parents[1]),
              "what": spec.what, "protocol": spec.protocol, "target": spec.target,
              "source": source, "cohort_seed": cohort_seed,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
@@ -214,33 +214,16 @@ def check(cfg: CheckConfig) -> dict:
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
              "training_seeds": t_seeds, "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
              "random_init_seeds": probe.draw_seeds(pcfg)}
-    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
-    splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
-    ref_fracs = sorted(cfg.reference_fractions, reverse=True) if splits else []
-    tune_keys = [(frac, init, k) for frac in sorted(cfg.finetune_fractions) for init in ("pretrained", "random")
-                 for k in range(cfg.finetune_seeds)] if splits else []
-    # a reference is the from-scratch run at its fraction (training seed k=0): one run where both want it
-    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
-    # at once, the curve's own heads join them: they need no reference (curve_fits)
-    at_once = together is not None and len(run_keys) > 0
-    # each job: a module-level function and its arguments, so that it can run in its own process
-    runs = {(frac, init, k): (job_name(init, frac, None if k == 0 else t_seeds[k]),
-                              (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
-                                           pcfg.seed, n_boot, cfg.tuning_args, device, t_seeds[k], not at_once)))
-            for frac, init, k in run_keys}
-    jobs = dict(runs.values())
-    if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
-        mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
-        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], FRACTIONS)), **jobs}
-    done = stages.together("references and fine-tuning", jobs, together) if at_once else \
-        {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
-    sup, sup_training, tuned = {}, {}, {}
-    if ref_fracs:
-        refs = {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs}
-        read = stages.run("supervised features", lambda: supervised_features(
-            pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
-        for frac, feats_f in read.items():
-            sup[frac], sup_training[pct(frac)] = feats_f, reference_training(refs[frac].run)
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, cfg.threads))
+    ref_fracs, tune_keys, run_keys = planned_runs(cfg, spec.protocol == "splits")
+    runs = {key: (job_name(key[1], key[0], None if key[2] == 0 else t_seeds[key[2]]),
+                  (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], key[1], key[0], pcfg.seed,
+                               n_boot, cfg.tuning_args, device, t_seeds[key[2]], cfg.threads is None)))
+            for key in run_keys}  # each job a module-level function and its arguments: it can run in its own process
+    done = train_runs(stages, cfg.threads, runs, pcfg, f, head)
+    sup, sup_training = supervised(stages, pcfg, {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs},
+                                   probe_dir)
+    tuned = {}
     for frac, init, k in tune_keys:
         tuned.setdefault(frac, {}).setdefault(init, []).append(done[runs[(frac, init, k)][0]].prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, FRACTIONS, n_boot,
@@ -250,14 +233,7 @@ def check(cfg: CheckConfig) -> dict:
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if spec.protocol == "scanners":
         result["pretraining"] = TRANSDUCTIVE
-    result["verdict"] = verdict(result)  # does pretraining learn: the headline
-    efficiency = label_efficiency_verdict(result)
-    if efficiency:
-        result["label_efficiency"]["verdict"] = efficiency
-    if "finetune" in result:
-        result["finetune"]["runs"] = [done[runs[key][0]].run for key in tune_keys]
-        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
-        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
+    add_verdicts(result, [done[runs[key][0]].run for key in tune_keys])
     if reads_tokens:  # a generated cohort's answer key
         # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them
         write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
@@ -269,6 +245,53 @@ def check(cfg: CheckConfig) -> dict:
     plot(result, dest / "result.png")
     return result
 
+
+def planned_runs(cfg: CheckConfig, splits: bool) -> tuple[list, list, list]:
+    """(the reference fractions, largest first; the fine-tuning runs' (fraction, init, training seed index);
+    every run to train, largest fraction first). A reference is the from-scratch run at its fraction (training
+    seed index 0): one run where both want it. Held-out scanners (`splits` False): none."""
+    if not splits:
+        return [], [], []
+    ref_fracs = sorted(cfg.reference_fractions, reverse=True)
+    tune_keys = [(frac, init, k) for frac in sorted(cfg.finetune_fractions) for init in ("pretrained", "random")
+                 for k in range(cfg.finetune_seeds)]
+    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
+    return ref_fracs, tune_keys, run_keys
+
+
+def train_runs(stages: Stages, threads: int | None, runs: dict, pcfg: ProbeConfig, f: dict, head: dict) -> dict:
+    """{job name: its result} of the references' and fine-tuning runs (`runs`: key -> (name, job)): each in its
+    own process, at once, with the curve's own heads first (they need no reference; a short job the probes
+    stage waits on, so it does not queue behind long ones), or one after another (`threads` None)."""
+    jobs = dict(runs.values())
+    if threads is None or not jobs:
+        return {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
+    mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
+    jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], FRACTIONS)), **jobs}
+    return stages.together("references and fine-tuning", jobs, threads)
+
+
+def supervised(stages: Stages, pcfg: ProbeConfig, refs: dict, probe_dir: Path) -> tuple[dict, dict]:
+    """The supervised references' frozen features ({fraction: features}) and how each trained ({pct: ...}),
+    from their runs (`refs`: {fraction: Tuned}); empty without references."""
+    if not refs:
+        return {}, {}
+    read = stages.run("supervised features", lambda: supervised_features(
+        pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
+    return read, {pct(frac): reference_training(refs[frac].run) for frac in read}
+
+
+def add_verdicts(result: dict, tuned_runs: list[dict]) -> None:
+    """Each question's verdict into `result`: does pretraining learn (the headline), label efficiency (where a
+    reference was trained), fine-tuning (where run, with its runs' records)."""
+    result["verdict"] = verdict(result)
+    efficiency = label_efficiency_verdict(result)
+    if efficiency:
+        result["label_efficiency"]["verdict"] = efficiency
+    if "finetune" in result:
+        result["finetune"]["runs"] = tuned_runs
+        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
+        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
 
 CURVE_JOB = "label-efficiency heads, pretrained and random init"
 BEFORE_TOKENS = "INTERIM, every row but the token probe's"
