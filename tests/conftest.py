@@ -430,24 +430,37 @@ TINY_RUN = dict(name="tiny", max_steps=4, ckpt_every=2, val_every=2, val_batches
                 **{"online_probe.k": 3})  # the tiny run's keys beside tiny_train_args'
 
 
-def wandb_run_args(cache: Path, runs: Path) -> tuple[list[str], dict]:
-    """(overrides, environment) of the tiny run with W&B offline (checkpoints as artifacts), its files under
-    `runs`: a W&B run starts the W&B service, so it runs in its own process (run_cli) and only for the test
-    that reads it. W&B only where it is installed: the GPU machine's wheel folder has none."""
+def _build_wandb_run(cache: Path, root: Path) -> None:
     import importlib.util
 
-    root = runs.parent
     env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     wandb = str(importlib.util.find_spec("wandb") is not None).lower()
-    return tiny_train_args(cache, runs, **TINY_RUN, **{"wandb.enabled": wandb, "wandb.mode": "offline",
-                                                       "wandb.log_checkpoints": "true"}), env
+    args = tiny_train_args(cache, root / "runs", **TINY_RUN, **{"wandb.enabled": wandb, "wandb.mode": "offline",
+                                                                "wandb.log_checkpoints": "true"})
+    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _probe_tiny(root)
+
+
+@pytest.fixture(scope="session")
+def wandb_run(request, tmp_path_factory) -> Path:
+    """The tiny run (below) with W&B offline (checkpoints as artifacts), read-only and shared: the W&B test
+    and `make report`'s page read it. W&B starts its own service, so this run trains in a process of its
+    own, apart from the tiny run the other stages read (a worker needing that one does not wait on W&B).
+    W&B only where it is installed: the GPU machine's wheel folder has none."""
+    cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
+    return built_once(request, tmp_path_factory, "wandb_run", lambda root: _build_wandb_run(cache, root)) / "runs" / "tiny"
+
+
+def _probe_tiny(root: Path) -> None:
+    r = run_here("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
+                 "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def _build_tiny_run(cache: Path, root: Path) -> None:
     train_here(*tiny_train_args(cache, root / "runs", **TINY_RUN, **{"wandb.enabled": "false"}))
-    r = run_here("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
-                 "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
-    assert r.returncode == 0, r.stderr[-2000:]
+    _probe_tiny(root)
 
 
 @pytest.fixture(scope="session")
@@ -456,7 +469,7 @@ def tiny_run(request, tmp_path_factory) -> Path:
     this process: the run folder `make report`, embed, export and fine-tuning read. Read-only and shared by
     every worker, not copied: its config names the shared builds (of tiny_cache too), which stages that find
     a run from its checkpoint (embed, export) write under. A test that writes beside it passes its own
-    --out. The same run with W&B: wandb_run_args."""
+    --out. The same run with W&B: wandb_run."""
     cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
     run = built_once(request, tmp_path_factory, "tiny_run", lambda root: _build_tiny_run(cache, root))
     return run / "runs" / "tiny"

@@ -315,15 +315,10 @@ def wandb_records(path) -> list:
     return out
 
 
-def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_cache, tmp_path):
-    """The tiny run (conftest.tiny_run) with W&B offline, as `make pretrain` starts it: W&B holds
-    metrics.jsonl's records under the same names, the run's config and each checkpoint as an artifact."""
-    from conftest import wandb_run_args
-
-    args, env = wandb_run_args(tiny_cache, tmp_path / "runs")
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tiny_run = tmp_path / "runs" / "tiny"
+def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(wandb_run):
+    """The tiny run with W&B offline, as `make pretrain` starts it: W&B holds metrics.jsonl's records under
+    the same names, the run's config and each checkpoint as an artifact."""
+    tiny_run = wandb_run
     files = list((tiny_run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
     recs = wandb_records(files[0])
