@@ -1,4 +1,4 @@
-"""The training crop's cost at production size (issue 26, defect 9): the host-side transforms
+"""The training crop's cost at production size: the host-side transforms
 of one sample (random crop and flip, and with data.scale [0.8, 1.0] the random box resized back
 to 64 x 384 x 384, trilinear) on an in-memory uint8 volume of the production shape, so reading
 the volume (the same for both) is left out. Alternating rounds, median per sample; per batch it

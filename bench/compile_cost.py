@@ -1,4 +1,4 @@
-"""What compiling the production ViT-B step costs, measured on the CPU without its FLOPs (issue 75).
+"""What compiling the production ViT-B step costs, measured on the CPU without its FLOPs.
 
 `python -m bench.compile_cost [--out FILE.json]` (a few minutes on 2 cores; `uptime`'s load is
 recorded beside the numbers, since other work may share the machine).
@@ -81,14 +81,12 @@ def models(cfg):
 
 
 def step_inputs(cfg, grid, sizes, batch: int):
-    """A batch as the step sees it: uint8 volumes, augmentation, each mask set's ids (a padded
-    context with its validity)."""
+    """A batch as the step sees it: uint8 volumes, augmentation, each mask set's ids."""
     x = torch.randint(0, 256, (batch, 1, *cfg.data.input_shape), dtype=torch.uint8)
     aug = torch.tensor([[1.0, 0.0]] * batch)
-    padded = cfg.mask.context == "padded"
     pairs = [(torch.randint(0, grid.tokens, (batch, s.context_cells * grid.depth), dtype=torch.int32),
-              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32),
-              torch.ones(batch, s.context_cells * grid.depth, dtype=torch.bool) if padded else None) for s in sizes]
+              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32), None)
+             for s in sizes]
     return x, aug, pairs
 
 
@@ -195,7 +193,7 @@ def front_end(fn, *args, dynamic=None) -> dict:
 
 
 def whole_step(cfg, grid, sizes) -> dict:
-    """The step as `compile: true` compiles it (train/step.compile_modules): the target encoder
+    """The step as `compile: true` compiles it (train/runtime.py compile_modules): the target encoder
     (a no-grad graph) and the student (forward + backward), each one dynamo graph."""
     from train import data
 

@@ -1,15 +1,17 @@
-"""make device-check's report: the issue-62 targets, one verdict line each, and the markdown
-(bench/device_check.py measures; this file only reads its results dict)."""
+"""make device-check's report: its targets, one verdict line each, the markdown, and the two result files
+written after every item (bench/device_check.py measures; this file only reads its results dict)."""
 from __future__ import annotations
+
+import json
 
 from bench import verdict
 
 PRODUCTION = "configs/pretrain_multi_domain.yaml"
 CHECK = "configs/pretrain_check_gpu.yaml"  # the learning check at GPU size (make learning-check-device)
-# issue 62's targets: MFU against the measured bf16 matmul rate, octfm / vjepa2 at equal work, the data wait of a
+# the targets: MFU against the measured bf16 matmul rate, octfm / vjepa2 at equal work, the data wait of a
 # real run, the check's step at batch 256, and make plan's peak against the measured one
 MFU_TARGET, REFERENCE_TARGET, WAIT_TARGET, CHECK_STEP_TARGET_S, PLAN_TOLERANCE = 0.40, 1.5, 0.05, 0.060, 0.10
-CHECK_TARGET_S = 360  # issue 41: the GPU-size learning check from a bare machine
+CHECK_TARGET_S = 360  # the GPU-size learning check from a bare machine
 
 
 def _measured(section: dict) -> dict:
@@ -17,7 +19,7 @@ def _measured(section: dict) -> dict:
 
 
 def verdicts(res: dict) -> list[str]:
-    """One line per issue-62 target, each with its verdict (or why it was not measured)."""
+    """One line per target, each with its verdict (or why it was not measured)."""
     env = res.get("environment") or {}
     card = env.get("device", "?")
     lines = []
@@ -169,7 +171,7 @@ def _outcome(r: dict | None) -> str:
 
 def plan_table(res: dict) -> list[str]:
     """Each item's predicted cost and cap beside what it took and how it ended: what the next
-    call's predictions (bench/device_check.py, predicted_costs) should be corrected by."""
+    call's predictions (bench/device_budget.py, predicted_costs) should be corrected by."""
     if not res.get("plan"):
         return []
     md = ["", f"## The budget ({res.get('budget_s', 0):.0f} s): predicted, capped, taken", "",
@@ -181,3 +183,25 @@ def plan_table(res: dict) -> list[str]:
         took = r.get("took_s") if isinstance(r, dict) else None
         md.append(f"| {key} | {predicted:.0f} | {cap:.0f} | {_num(took, '.0f')} | {_outcome(r)} |")
     return md
+
+
+OUT_STRING_LIMIT = 6000  # characters of any one string in device_check.json: OUT comes back from the GPU machine
+
+
+def bounded(value):
+    """`value` with every long string cut to its last OUT_STRING_LIMIT characters (errors end there)."""
+    if isinstance(value, str) and len(value) > OUT_STRING_LIMIT:
+        return "..." + value[-OUT_STRING_LIMIT:]
+    if isinstance(value, dict):
+        return {k: bounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [bounded(v) for v in value]
+    return value
+
+
+def write_results(ctx: dict, name: str | None = None, partial: dict | None = None) -> None:
+    if name is not None:
+        ctx["results"][name] = partial
+    results = bounded(ctx["results"])
+    (ctx["out"] / "device_check.json").write_text(json.dumps(results, indent=2, default=str))
+    (ctx["out"] / "device_check.md").write_text("\n".join(markdown(results)) + "\n")

@@ -30,6 +30,9 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_
 # a minute of work on the H200 beside the first step's cost, docs/accelerators.md), one fine-tuning seed
 SMOKE_ARGS = ("--participants", "128", "--bootstrap", "100", "--finetune-arg", "epochs=3", "--finetune-arg",
               "frozen_epochs=1", "max_steps=150", "log_every=50", "eval_every=75", "ckpt_every=150")
+# the cues whose probes hold each scanner out in turn (check/cohort.py CUES, protocol "scanners"), named here: this
+# module runs on the GPU machine's own python before the project's dependencies are installed
+HELD_OUT_CUES = ("scanners",)
 PRETRAIN_COPIES = ("metrics.jsonl", "curves.png")  # from the newest pretraining run, as OUT/pretrain_<name>
 
 
@@ -128,12 +131,16 @@ def device_check(out: str, args: Sequence[str]) -> int:
 
 def check_command(a: argparse.Namespace, args: Sequence[str]) -> list[str]:
     """The learning check's command line at GPU size: the label-efficiency question (the 10% reference),
-    fine-tuning at 10% of labels over FT_SEEDS training seeds unless FINETUNE=0, SMOKE's small sizes, then ARGS."""
-    cmd = [sys.executable, "-m", "check.learning_check", "--size", "gpu", "--cue", a.cue or "lesions",
-           "--label-efficiency"]
+    fine-tuning at 10% of labels over FT_SEEDS training seeds unless FINETUNE=0, SMOKE's small sizes, then ARGS.
+    CUE=scanners asks whether pretraining learns alone: it trains no reference nor fine-tuning per held-out
+    scanner (check/config.py refuses them)."""
+    cue = a.cue or "lesions"
+    per_fold = cue not in HELD_OUT_CUES
+    cmd = [sys.executable, "-m", "check.learning_check", "--size", "gpu", "--cue", cue,
+           *(["--label-efficiency"] if per_fold else [])]
     if a.seed:
         cmd += ["--seed", a.seed]
-    if a.finetune != "0":
+    if a.finetune != "0" and per_fold:
         cmd += ["--finetune", "--finetune-fraction", "0.1", "--finetune-seeds", a.ft_seeds or ("1" if a.smoke else "3")]
     cmd += ["--work", f"{a.work}/data", "--out", f"{a.work}/runs", *(SMOKE_ARGS if a.smoke else ()), *args]
     return ["timeout", a.timeout, *cmd] if a.timeout else cmd

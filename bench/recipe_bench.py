@@ -1,4 +1,4 @@
-"""The one recipe's cost at ViT-B width (issue 29): a training step of configs/pretrain_multi_domain.yaml's
+"""The one recipe's cost at ViT-B width: a training step of configs/pretrain_multi_domain.yaml's
 model, the recipe (stem [16] with peak pooling, max pooling, latent + local term: docs/recipe.md), against
 the same model without them (linear patchify, mean pooling, latent term only), CPU, float32, batch 2
 of 32 x 96 x 96 (288 tokens: the stem's share at 9,216 tokens, where attention grows

@@ -1,4 +1,4 @@
-"""octfm's training step beside the facebookresearch/vjepa2 step at equal work (issue 27).
+"""octfm's training step beside the facebookresearch/vjepa2 step at equal work.
 
 Set VJEPA2_SRC to a checkout of facebookresearch/vjepa2 (outside this repository); its modules
 are imported from there (VisionTransformer, VisionTransformerPredictor, the multi-mask wrappers,
@@ -33,7 +33,7 @@ from bench import verdict
 from bench.recipe_bench import PLAIN
 from bench.train_bench import CPU, SMOKE, VITS, _make_cache
 
-TARGET = 1.5  # issue 27: octfm's step at least 1.5x the reference's at equal work
+TARGET = 1.5  # octfm's step at least 1.5x the reference's at equal work
 # contenders: octfm's (name -> overrides on the ViT-S config) and the reference's (name -> bf16 autocast);
 # a ratio is taken against the reference of the same precision
 VARIANTS = {"octfm fp32": [], "octfm fp32 compiled": ["compile=true"], "octfm bf16": ["precision=bf16"]}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from check.keys import COHORT_CODE, code_key
+from check.run_names import COHORT_CODE, code_key
 from ingest import synth
 from octfm import config
 

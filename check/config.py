@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from check.cohort import COHORT, DEV_SEED
+from check.cohort import COHORT, CUES, DEV_SEED
 from octfm.config import FieldError
 
 FRACTIONS = (0.1, 0.25, 1.0)  # of the labelled train participants: the frozen probes' label-efficiency curve
@@ -73,6 +73,20 @@ class CheckConfig:
             raise FieldError("reference_fractions", f"{off}: not on the label-efficiency curve {list(FRACTIONS)}")
         if not all(0 < f <= 1 for f in self.finetune_fractions):
             raise FieldError("finetune_fractions", f"{list(self.finetune_fractions)}: each needs 0 < fraction <= 1")
+        self._asked_of_the_cue()
+
+    def _asked_of_the_cue(self) -> None:
+        """The held-out-scanner protocol trains no supervised reference nor fine-tuning run per fold: a
+        flag asking for one is refused by name, not dropped."""
+        if CUES[self.cue].protocol == "splits":
+            return
+        why = f"the {self.cue} cue holds each scanner out in turn and trains no per-fold "
+        if self.reference_fractions:
+            raise FieldError("reference_fractions", why + "supervised reference: leave out LABELS=1 "
+                                                          "(--label-efficiency) and CURVE=1 (--curve)")
+        if self.finetune_fractions:
+            raise FieldError("finetune_fractions", why + "fine-tuning: leave out FINETUNE=1 (--finetune, "
+                                                         "--finetune-fraction) and FT_SEEDS")
 
     @property
     def pretrain_config(self) -> str:

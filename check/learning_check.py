@@ -33,15 +33,15 @@ import numpy as np
 from check import token_probe
 from check.cohort import BINARY, CUES, build_cache, cohort, eval_device
 from check.config import FINETUNE_FRACTIONS, FRACTIONS, SIZES, CheckConfig
-from check.keys import finetune_tag, recipe_name
+from check.run_names import finetune_tag, recipe_name
 from check.report import markdown, plot, probe_line, set_aside_results, write_result
-from check.rows import (
+from check.result_rows import (
     curve_fits, headline_probes, online_curve, probe_all, reference_training, supervised_features,
     training_summary)
 from check.verdicts import (
     finetune_against_supervised, finetune_verdict, label_efficiency_verdict, pct, verdict, verdict_lines)
 from evals import finetune, probe
-from evals.config import ProbeConfig
+from evals.config import FinetuneConfig, ProbeConfig
 from ingest import synth
 from octfm import cli, config
 from octfm.procs import call_job, cpu_seconds, git_commit, in_processes
@@ -54,7 +54,7 @@ from train.run_folder import RunFolder
 # Stages.together's processes at once: each starts its own loader workers on the 16 cores of a lent GPU machine
 TOGETHER_MAX = 4
 FULL_LABEL_BUDGET = ("epochs=10", "frozen_epochs=1")  # on all labels: about 3,900 steps, not 80 epochs' 31,400
-# the held-out-scanner rows (issue 40, item 7): the pretraining is the lesions run, which saw every scanner
+# the held-out-scanner rows: the pretraining is the lesions run, which saw every scanner
 TRANSDUCTIVE = ("transductive: the pretraining (the lesions run) saw the train volumes of every scanner, the held-out "
                 "one's included; only the probes hold it out")
 
@@ -137,6 +137,16 @@ def probe_config(cache_dir: Path, n_boot: int, random_draws: int, device: str, p
                         *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
 
 
+def finetune_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, device: str,
+                    *args: str) -> FinetuneConfig:
+    """configs/finetune.yaml as users run it, for one of the check's fine-tuning runs on the binary task:
+    bf16 on cuda, fp32 elsewhere; `args` override any key."""
+    return config.load(FinetuneConfig, "configs/finetune.yaml",
+                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
+                        f"seed={seed}", f"task={BINARY}", f"device={device}",
+                        f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
+
+
 def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fraction: float, seed: int,
               n_boot: int, args: Sequence[str], device: str = "cpu", train_seed: int | None = None,
               progress: bool = True) -> Tuned:
@@ -147,16 +157,16 @@ def finetuned(ckpt: str, cache: str, out: Path, rows: list[dict], init: str, fra
     training alone on the same participants. Returns its best epoch's class probabilities for `rows`
     and its val curve (a lent GPU's call brings back only what the result holds)."""
     tag = finetune_tag(init, fraction, train_seed, seed)
-    cfg = finetune.run_config(ckpt, cache, out / tag, init, fraction, seed, BINARY, device, f"bootstrap={n_boot}",
-                              *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
-                              *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
+    cfg = finetune_config(ckpt, cache, out / tag, init, fraction, seed, device, f"bootstrap={n_boot}",
+                            *(FULL_LABEL_BUDGET if fraction == 1.0 else ()),
+                            *(() if train_seed is None else (f"train_seed={train_seed}",)), *args)
     ft = finetune.Finetuner(cfg, runtime.setup(cfg.device, cfg.precision))
     if [r["relpath"] for r in ft.rows] != [r["relpath"] for r in rows]:
         raise RuntimeError(f"{out / tag}: fine-tuning read other rows than the probes")  # cannot pair them
     res = ft.run(progress=progress)
     top = res["probes"][0]
     return Tuned(res["prob"], {"fraction": fraction, "init": init, "train_seed": train_seed, "head": top["head"],
-                               "head_fit": top.get("head_fit"), "best_epoch": top["best_epoch"],
+                               "best_epoch": top["best_epoch"],
                                "best_step": top.get("best_step"), "epochs_run": res["epochs_run"],
                                "steps_run": ft.step, "val_every": cfg.val_every, "patience": cfg.patience,
                                "val": [round(h["balanced_accuracy"], 4) for h in res["history"]]},
@@ -174,15 +184,15 @@ def check(cfg: CheckConfig) -> dict:
     """The whole check for one cue; every stage reuses what an earlier run finished. The supervised
     references are `make finetune` from random init at cfg.reference_fractions: the very runs the
     fine-tuning rows set the checkpoint against (one run where both want it)."""
-    spec, cue, work, out, n_boot = CUES[cfg.cue], cfg.cue, Path(cfg.work), Path(cfg.out), cfg.bootstrap
-    config_path, overrides, together = cfg.pretrain_config, cfg.overrides, cfg.threads
+    spec, work, out, n_boot = CUES[cfg.cue], Path(cfg.work), Path(cfg.out), cfg.bootstrap
+    config_path, overrides = cfg.pretrain_config, cfg.overrides
     stages, generated, source = Stages(), cfg.source is None, cfg.source
     device = eval_device(config.load(TrainConfig, config_path, overrides).device)  # refuse bad ARGS before any work
     home = work / f"{spec.cohort_name}_seed{cfg.seed}"
     cache_dir = home / "cache" if generated else work / ("cache_" + hashlib.sha256(source.encode()).hexdigest()[:8])
     cohort_seed = cfg.seed if generated else None  # the cohort's own training seeds and random-init draws
     pcfg = probe_config(cache_dir, n_boot, cfg.draws, device, cfg.probe, cohort_seed)  # bad --probe keys: before work
-    dest = out / cue
+    dest = out / cfg.cue
     if set_aside_results(dest):  # an earlier run's: never beside this run's interim result (a run cut short)
         print(f"learning-check: moved the earlier run's result files to {dest / 'previous'}/", flush=True)
     if generated:
@@ -196,7 +206,7 @@ def check(cfg: CheckConfig) -> dict:
     grids = ("pretrained", probe.random_draw(1)) if reads_tokens else ()  # its two encoders' tokens, in this pass
     f = stages.run("features", lambda: probe.checkpoint_features(pcfg, ckpt, probe_dir, grids=grids))
     t_seeds = training_seeds(cohort_seed, pcfg.seed, cfg.finetune_seeds)  # the fine-tuning runs' and references'
-    about = {"cue": cue, "size": cfg.size, "commit": git_commit(Path(__file__).resolve().parents[1]),
+    about = {"cue": cfg.cue, "size": cfg.size, "commit": git_commit(Path(__file__).resolve().parents[1]),
              "what": spec.what, "protocol": spec.protocol, "target": spec.target,
              "source": source, "cohort_seed": cohort_seed,
              "cache": cache, "run": str(run_dir), "ckpt": ckpt, "step": f["step"],
@@ -204,33 +214,16 @@ def check(cfg: CheckConfig) -> dict:
              "overrides": list(overrides), "bootstrap": n_boot, "features_reused": f["reused"],
              "training_seeds": t_seeds, "probe_standardize": pcfg.standardize, "random_draws": pcfg.baseline_draws,
              "random_init_seeds": probe.draw_seeds(pcfg)}
-    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, together))
-    splits = spec.protocol == "splits"  # held-out scanners: no reference nor fine-tuning per fold
-    ref_fracs = sorted(cfg.reference_fractions, reverse=True) if splits else []
-    tune_keys = [(frac, init, k) for frac in sorted(cfg.finetune_fractions) for init in ("pretrained", "random")
-                 for k in range(cfg.finetune_seeds)] if splits else []
-    # a reference is the from-scratch run at its fraction (training seed k=0): one run where both want it
-    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
-    # at once, the curve's own heads join them: they need no reference (curve_fits)
-    at_once = together is not None and len(run_keys) > 0
-    # each job: a module-level function and its arguments, so that it can run in its own process
-    runs = {(frac, init, k): (job_name(init, frac, None if k == 0 else t_seeds[k]),
-                              (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], init, frac,
-                                           pcfg.seed, n_boot, cfg.tuning_args, device, t_seeds[k], not at_once)))
-            for frac, init, k in run_keys}
-    jobs = dict(runs.values())
-    if at_once:  # first: a short job that the probes stage waits on, so it does not queue behind long ones
-        mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
-        jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], FRACTIONS)), **jobs}
-    done = stages.together("references and fine-tuning", jobs, together) if at_once else \
-        {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
-    sup, sup_training, tuned = {}, {}, {}
-    if ref_fracs:
-        refs = {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs}
-        read = stages.run("supervised features", lambda: supervised_features(
-            pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
-        for frac, feats_f in read.items():
-            sup[frac], sup_training[pct(frac)] = feats_f, reference_training(refs[frac].run)
+    head = stages.run("headline probes", lambda: interim(about, pcfg, f, n_boot, dest, cfg.threads))
+    ref_fracs, tune_keys, run_keys = planned_runs(cfg, spec.protocol == "splits")
+    runs = {key: (job_name(key[1], key[0], None if key[2] == 0 else t_seeds[key[2]]),
+                  (finetuned, (ckpt, cache, RunFolder(run_dir).root / "finetune", f["rows"], key[1], key[0], pcfg.seed,
+                               n_boot, cfg.tuning_args, device, t_seeds[key[2]], cfg.threads is None)))
+            for key in run_keys}  # each job a module-level function and its arguments: it can run in its own process
+    done = train_runs(stages, cfg.threads, runs, pcfg, f, head)
+    sup, sup_training = supervised(stages, pcfg, {frac: done[runs[(frac, "random", 0)][0]] for frac in ref_fracs},
+                                   probe_dir)
+    tuned = {}
     for frac, init, k in tune_keys:
         tuned.setdefault(frac, {}).setdefault(init, []).append(done[runs[(frac, init, k)][0]].prob)
     scores = stages.run("probes", lambda: probe_all(pcfg, f["rows"], f["feats"], sup, spec.protocol, FRACTIONS, n_boot,
@@ -240,16 +233,9 @@ def check(cfg: CheckConfig) -> dict:
               "training": training_summary(run_dir), "online_probe": online_curve(run_dir), "stages": stages.times}
     if spec.protocol == "scanners":
         result["pretraining"] = TRANSDUCTIVE
-    result["verdict"] = verdict(result)  # does pretraining learn: the headline
-    efficiency = label_efficiency_verdict(result)
-    if efficiency:
-        result["label_efficiency"]["verdict"] = efficiency
-    if "finetune" in result:
-        result["finetune"]["runs"] = [done[runs[key][0]].run for key in tune_keys]
-        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
-        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
+    add_verdicts(result, [done[runs[key][0]].run for key in tune_keys])
     if reads_tokens:  # a generated cohort's answer key
-        # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them (stop 50's was)
+        # every row but the token probe's first: a lent GPU's call cut in the token probe keeps them
         write_result({**result, "verdict": f"{BEFORE_TOKENS}: {result['verdict']}"}, dest, "result_interim")
         tokens = stages.run("token probe", lambda: token_probe.run(
             ckpt, source, probe_dir / "tokens", cache, pcfg.seed, device=device, batch=pcfg.extract_batch,
@@ -259,6 +245,53 @@ def check(cfg: CheckConfig) -> dict:
     plot(result, dest / "result.png")
     return result
 
+
+def planned_runs(cfg: CheckConfig, splits: bool) -> tuple[list, list, list]:
+    """(the reference fractions, largest first; the fine-tuning runs' (fraction, init, training seed index);
+    every run to train, largest fraction first). A reference is the from-scratch run at its fraction (training
+    seed index 0): one run where both want it. Held-out scanners (`splits` False): none."""
+    if not splits:
+        return [], [], []
+    ref_fracs = sorted(cfg.reference_fractions, reverse=True)
+    tune_keys = [(frac, init, k) for frac in sorted(cfg.finetune_fractions) for init in ("pretrained", "random")
+                 for k in range(cfg.finetune_seeds)]
+    run_keys = sorted({*tune_keys, *((frac, "random", 0) for frac in ref_fracs)}, key=lambda t: (-t[0], t[1], t[2]))
+    return ref_fracs, tune_keys, run_keys
+
+
+def train_runs(stages: Stages, threads: int | None, runs: dict, pcfg: ProbeConfig, f: dict, head: dict) -> dict:
+    """{job name: its result} of the references' and fine-tuning runs (`runs`: key -> (name, job)): each in its
+    own process, at once, with the curve's own heads first (they need no reference; a short job the probes
+    stage waits on, so it does not queue behind long ones), or one after another (`threads` None)."""
+    jobs = dict(runs.values())
+    if threads is None or not jobs:
+        return {name: stages.run(name, lambda job=job: call_job(job)) for name, job in jobs.items()}
+    mine = {e: f["feats"][e] for e in ("pretrained", *probe.random_draws(f["feats"]))}
+    jobs = {CURVE_JOB: (curve_fits, (pcfg, f["rows"], mine, head["folds"], FRACTIONS)), **jobs}
+    return stages.together("references and fine-tuning", jobs, threads)
+
+
+def supervised(stages: Stages, pcfg: ProbeConfig, refs: dict, probe_dir: Path) -> tuple[dict, dict]:
+    """The supervised references' frozen features ({fraction: features}) and how each trained ({pct: ...}),
+    from their runs (`refs`: {fraction: Tuned}); empty without references."""
+    if not refs:
+        return {}, {}
+    read = stages.run("supervised features", lambda: supervised_features(
+        pcfg, {frac: r.ckpt for frac, r in refs.items()}, probe_dir))
+    return read, {pct(frac): reference_training(refs[frac].run) for frac in read}
+
+
+def add_verdicts(result: dict, tuned_runs: list[dict]) -> None:
+    """Each question's verdict into `result`: does pretraining learn (the headline), label efficiency (where a
+    reference was trained), fine-tuning (where run, with its runs' records)."""
+    result["verdict"] = verdict(result)
+    efficiency = label_efficiency_verdict(result)
+    if efficiency:
+        result["label_efficiency"]["verdict"] = efficiency
+    if "finetune" in result:
+        result["finetune"]["runs"] = tuned_runs
+        result["finetune"]["verdict"] = finetune_verdict(result["finetune"]["points"])
+        result["finetune"]["against_supervised"] = finetune_against_supervised(result["finetune"]["points"])
 
 CURVE_JOB = "label-efficiency heads, pretrained and random init"
 BEFORE_TOKENS = "INTERIM, every row but the token probe's"

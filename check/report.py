@@ -20,21 +20,38 @@ STANDARDIZED = {True: "The heads read each feature channel standardised by the t
 def tuned_line(run: dict) -> str:
     """One fine-tuning run in result.md: its head, best epoch and val per epoch."""
     seed = "" if run["train_seed"] is None else f", training seed {run['train_seed']}"
-    start = f" (started as a probe with val {run['head_fit']['val_balanced_accuracy']:.2f})" if run.get("head_fit") else ""
-    return (f"- {pct(run['fraction'])}, {run['init']} init{seed}, {run['head']} head{start}: best epoch "
+    return (f"- {pct(run['fraction'])}, {run['init']} init{seed}, {run['head']} head: best epoch "
             f"{run['best_epoch']} of {run['epochs_run']}; " + " ".join(f"{v:.2f}" for v in run["val"]))
 
 
 def markdown(result: dict) -> str:
+    """result.md: the verdicts and the headline tables; an interim result stops there, a final one goes
+    on with the reference, label efficiency, fine-tuning, the pretraining and the stages' times."""
+    lines = [*_headline(result), *_task_tables(result), *_per_scanner(result)]
+    if result.get("interim"):  # the headline rows only (interim)
+        return "\n".join(lines + [result["interim"] + ".", ""])
+    lines += [*_reference(result), *_label_efficiency(result), *_finetuning(result), *_pretraining(result)]
+    lines += ["", "| stage | wall s | cpu s |", "|---|---|---|"]
+    lines += [f"| {k}{' (at once, its own process)' if v.get('together') else ''} | {v['wall_s']} | "
+              f"{'' if v['cpu_s'] is None else v['cpu_s']} |" for k, v in result["stages"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(result: dict) -> list[str]:
     held_out = " (each test row scored by probes trained on the other three scanners)" \
         if result["protocol"] == "scanners" else ""
     efficiency = (result.get("label_efficiency") or {}).get("verdict")
-    lines = [f"# Learning check: {result['cue']}", "", result["verdict"], "", *([efficiency, ""] if efficiency else []),
-             f"Cue: {result['what']}. Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` "
-             f"(step {result['step']}; objective: {result.get('objective', 'not recorded')}). "
-             f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); a difference "
-             f"is paired (both encoders scored on each resample){held_out}. "
-             f"{STANDARDIZED[result.get('probe_standardize', False)]}", ""]
+    return [f"# Learning check: {result['cue']}", "", result["verdict"], "", *([efficiency, ""] if efficiency else []),
+            f"Cue: {result['what']}. Source `{result['source']}`, cache `{result['cache']}`, run `{result['run']}` "
+            f"(step {result['step']}; objective: {result.get('objective', 'not recorded')}). "
+            f"Intervals: 95% bootstrap over test participants ({result['bootstrap']} resamples); a difference "
+            f"is paired (both encoders scored on each resample){held_out}. "
+            f"{STANDARDIZED[result.get('probe_standardize', False)]}", ""]
+
+
+def _task_tables(result: dict) -> list[str]:
+    """Each task's comparisons (head choices) and the random-init draws' line."""
+    lines = []
     for task, t in result["tasks"].items():
         lines += [f"## {task} ({t['classes']} classes; test: {t['test_rows']} volumes, {t['test_participants']} "
                   f"participants; majority class {t['majority_class']:.3f})", "",
@@ -48,15 +65,22 @@ def markdown(result: dict) -> str:
         lines.append("")
     if draws_line(result):
         lines += [draws_line(result), ""]
-    if result.get("per_scanner"):
-        lines += [f"Each scanner held out ({BINARY}, heads chosen on the other scanners' val rows):", "",
-                  "| held-out scanner | participants | pretrained | random-init | pretrained - random [95% CI] |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {d} | {r['participants']} | {r['pretrained']:.3f} | {r['random_init']:.3f} | {_diff(r)} |"
-                  for d, r in result["per_scanner"].items()]
-        lines.append("")
-    if result.get("interim"):  # the headline rows only (interim)
-        return "\n".join(lines + [result["interim"] + ".", ""])
+    return lines
+
+
+def _per_scanner(result: dict) -> list[str]:
+    if not result.get("per_scanner"):
+        return []
+    return [f"Each scanner held out ({BINARY}, heads chosen on the other scanners' val rows):", "",
+            "| held-out scanner | participants | pretrained | random-init | pretrained - random [95% CI] |",
+            "|---|---|---|---|---|",
+            *(f"| {d} | {r['participants']} | {r['pretrained']:.3f} | {r['random_init']:.3f} | {_diff(r)} |"
+              for d, r in result["per_scanner"].items()), ""]
+
+
+def _reference(result: dict) -> list[str]:
+    """The supervised reference against random init, and how each reference trained."""
+    lines = []
     ref = result.get("supervised_reference")
     if ref:
         lines += ["Supervised reference: the same encoder trained from scratch on the diabetic labels of the train split "
@@ -69,16 +93,20 @@ def markdown(result: dict) -> str:
         lines.append("")
     if result.get("supervised_training"):
         lines += [reference_training_line(result["supervised_training"]), ""]
+    return lines
+
+
+def _label_efficiency(result: dict) -> list[str]:
     pts = result["label_efficiency"]["points"]
     with_sup = any("supervised" in p for p in pts)  # a reference at some fractions only (reference_fractions)
-    lines += [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
-              "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
-              f"{', the supervised reference trained on the same ones' if with_sup else ''}"
-              f"{head_steps(result['label_efficiency'])}):", "",
-              f"| labels (participants) | pretrained | random-init{draws_said(result)} | " +
-              ("supervised | " if with_sup else "") +
-              "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
-              "|---|---|---|---|" + ("---|---|" if with_sup else "")]
+    lines = [f"Label efficiency ({result['label_efficiency']['task']}, test balanced accuracy, heads chosen on the "
+             "full val rows; probes trained on a stratified, nested fraction of the labelled train participants"
+             f"{', the supervised reference trained on the same ones' if with_sup else ''}"
+             f"{head_steps(result['label_efficiency'])}):", "",
+             f"| labels (participants) | pretrained | random-init{draws_said(result)} | " +
+             ("supervised | " if with_sup else "") +
+             "pretrained - random [95% CI] |" + (" pretrained - supervised [95% CI] |" if with_sup else ""),
+             "|---|---|---|---|" + ("---|---|" if with_sup else "")]
     for p in pts:
         enc = [f"{p[e]['balanced_accuracy']:.3f}" for e in ("pretrained", "random_init")]
         if with_sup:
@@ -87,36 +115,48 @@ def markdown(result: dict) -> str:
                      f" | {_diff(p['pretrained_minus_random_init'])} |" +
                      ((f" {_diff(p['pretrained_minus_supervised'])} |" if "supervised" in p else " |") if with_sup else ""))
     lines.append("")
-    if result.get("finetune"):
-        n_seeds = result["finetune"]["points"][0].get("train_seeds", 1)
-        lines += [f"Fine-tuning ({BINARY}, `make finetune` with configs/finetune.yaml on the same participants; the "
-                  "best val epoch scored on test): from the checkpoint and from random init, against the frozen "
-                  "probe of the checkpoint (head chosen on val) and the supervised reference trained on the same labels"
-                  + (f"; fine-tuned rows are means over {n_seeds} training seeds" if n_seeds > 1 else "") + ".", "",
-                  result["finetune"]["verdict"], "", *([result["finetune"]["against_supervised"], ""]
-                                                       if result["finetune"].get("against_supervised") else []),
-                  "| labels | fine-tuned | fine-tuned random-init | frozen (head chosen on val) | supervised reference | "
-                  "fine-tuned - random [95% CI] | fine-tuned - frozen [95% CI] | fine-tuned - supervised [95% CI] |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
-                  f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen']['balanced_accuracy']:.3f} | "
-                  f"{_num(p['supervised']['balanced_accuracy']) if 'supervised' in p else ''} | "
-                  f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
-                  f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
-                  for p in result["finetune"]["points"]]
-        if n_seeds > 1:
-            lines += ["", *(f"Per training seed at {pct(p['fraction'])}: fine-tuned "
-                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
-                            f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}"
-                            + (f"; fine-tuned - random with the training seeds resampled as well as the participants: "
-                               f"{_diff(p[SEEDS_RESAMPLED])}"
-                               if SEEDS_RESAMPLED in p else "") + "."
-                            for p in result["finetune"]["points"])]
-        if result["finetune"].get("runs"):
-            lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "
-                      "frozen_epochs first):", "",
-                      *(tuned_line(r) for r in result["finetune"]["runs"])]
-        lines.append("")
+    return lines
+
+
+def _finetuning(result: dict) -> list[str]:
+    """The fine-tuning rows: their verdict, the table, each seed and each run (none when not asked)."""
+    if not result.get("finetune"):
+        return []
+    n_seeds = result["finetune"]["points"][0].get("train_seeds", 1)
+    lines = [f"Fine-tuning ({BINARY}, `make finetune` with configs/finetune.yaml on the same participants; the "
+             "best val epoch scored on test): from the checkpoint and from random init, against the frozen "
+             "probe of the checkpoint (head chosen on val) and the supervised reference trained on the same labels"
+             + (f"; fine-tuned rows are means over {n_seeds} training seeds" if n_seeds > 1 else "") + ".", "",
+             result["finetune"]["verdict"], "", *([result["finetune"]["against_supervised"], ""]
+                                                  if result["finetune"].get("against_supervised") else []),
+             "| labels | fine-tuned | fine-tuned random-init | frozen (head chosen on val) | supervised reference | "
+             "fine-tuned - random [95% CI] | fine-tuned - frozen [95% CI] | fine-tuned - supervised [95% CI] |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {pct(p['fraction'])} | {p['pretrained']['balanced_accuracy']:.3f} | "
+              f"{p['random_init']['balanced_accuracy']:.3f} | {p['frozen']['balanced_accuracy']:.3f} | "
+              f"{_num(p['supervised']['balanced_accuracy']) if 'supervised' in p else ''} | "
+              f"{_diff(p['pretrained_minus_random_init'])} | {_diff(p['finetuned_minus_frozen'])} | "
+              f"{_diff(p['finetuned_minus_supervised']) if 'finetuned_minus_supervised' in p else ''} |"
+              for p in result["finetune"]["points"]]
+    if n_seeds > 1:
+        lines += ["", *(f"Per training seed at {pct(p['fraction'])}: fine-tuned "
+                        f"{', '.join(f'{v:.3f}' for v in p['per_seed']['pretrained'])}; random-init "
+                        f"{', '.join(f'{v:.3f}' for v in p['per_seed']['random_init'])}"
+                        + (f"; fine-tuned - random with the training seeds resampled as well as the participants: "
+                           f"{_diff(p[SEEDS_RESAMPLED])}"
+                           if SEEDS_RESAMPLED in p else "") + "."
+                        for p in result["finetune"]["points"])]
+    if result["finetune"].get("runs"):
+        lines += ["", "Each run's val balanced accuracy per epoch (the encoder frozen for configs/finetune.yaml's "
+                  "frozen_epochs first):", "",
+                  *(tuned_line(r) for r in result["finetune"]["runs"])]
+    lines.append("")
+    return lines
+
+
+def _pretraining(result: dict) -> list[str]:
+    """The token probe's line, the pretraining's loss and RankMe, and its online-probe curve."""
+    lines = []
     if result.get("token_probe"):
         lines += [f"Is the lesion in the tokens? {result['token_probe']['line']} (check/token_probe.py).", ""]
     tr = result["training"]
@@ -131,11 +171,7 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['step']} | " + " | ".join(_num(r.get(k)) for k in keys) + " |" for r in curve]
     else:
         lines.append("Online probe: the run logged none (`probe/<task>/knn_bal_acc` in metrics.jsonl).")
-    lines += ["", "| stage | wall s | cpu s |", "|---|---|---|"]
-    lines += [f"| {k}{' (at once, its own process)' if v.get('together') else ''} | {v['wall_s']} | "
-              f"{'' if v['cpu_s'] is None else v['cpu_s']} |" for k, v in result["stages"].items()]
-    return "\n".join(lines) + "\n"
-
+    return lines
 
 def _num(v) -> str:
     return "" if v is None else f"{v:.3f}"

@@ -1,4 +1,4 @@
-"""Is the lesion in the tokens? A token-level probe on a generated lesions cohort (issue 41).
+"""Is the lesion in the tokens? A token-level probe on a generated lesions cohort.
 
 A pooled readout can miss a few lesion tokens among hundreds for two reasons: the tokens do not
 hold the lesion, or the pooling drowns it. This measures the first. The cohort's answer key

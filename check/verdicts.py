@@ -6,11 +6,11 @@ import numpy as np
 
 from check import probes as check_probes
 from check.cohort import BINARY, MULTI
-from check.keys import percent
+from check.run_names import percent
 from evals import probe
 
 
-FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction (issue 28)
+FINETUNE_TARGET = 0.05  # fine-tuned pretrained minus random-init at the smallest fraction
 # a fine-tuning row's mean difference with the training seeds resampled too: a reading, not the verdict's
 SEEDS_RESAMPLED = "pretrained_minus_random_init_seeds_resampled"
 
@@ -28,9 +28,9 @@ def finetune_against_supervised(points: list[dict]) -> str | None:
 
 
 def finetune_verdict(points: list[dict]) -> str:
-    """Issue 28's target at the smallest fraction: fine-tuned pretrained minus random-init >= +0.05
+    """The fine-tuning target at the smallest fraction: fine-tuned pretrained minus random-init >= +0.05
     with the paired lower bound above 0, and fine-tuned >= the frozen probe with the head val chose;
-    then, as readings without a target, the same pair at each larger fraction (issue 64: at 10% and
+    then, as readings without a target, the same pair at each larger fraction (at 10% and
     at 100% of labels). Both starts are `make finetune` under one recipe (the random start is the
     supervised reference)."""
     first = points[0]

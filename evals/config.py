@@ -63,8 +63,7 @@ class FinetuneConfig:
     cache: str | None = None           # None: the cache the checkpoint was trained on
     out: str | None = None             # run folder; None: runs/finetune_<task>_<init>[_<pct>pct]
     task: str = "diabetic"
-    head: Literal["auto", "linear", "attentive", "mil"] = "linear"  # the probes' heads (evals/probe_heads.py); auto:
-                                       # the kind whose fitted probe val ranks first (head_init: probe)
+    head: Literal["linear", "attentive", "mil"] = "linear"  # the probes' heads (evals/probe_heads.py)
     token_pool: tuple[int, int, int] = (1, 2, 2)         # the attentive head's token grid pooling
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
     epochs: int = 80                   # at 40 from scratch stopped short of its plateau (docs/recipe.md, Fine-tuning)
@@ -75,11 +74,8 @@ class FinetuneConfig:
     head_lr: float = 1.0e-3
     standardize: bool = True           # the head reads channels standardised by the starting encoder's train-row
                                        # statistics, as the probes' heads do (docs/recipe.md, Fine-tuning); false: not
-    head_init: Literal["probe", "zero"] = "zero"  # probe: the head starts as a probe fitted on the starting
-                                       # encoder's features and chosen on val (LP-FT: measured, not adopted)
     weight_decay: float = 0.05         # on weights, not on biases and norms
     warmup_epochs: float = 1.0         # linear warmup, then cosine to 0
-    warmup_fraction: float | None = None  # the warmup as a share of the run's optimizer steps (replaces warmup_epochs)
     frozen_epochs: int = 5             # head only (encoder frozen, in eval mode) for these first epochs
     class_weight: bool = True          # balanced cross-entropy
     label_smoothing: float = 0.1
@@ -111,7 +107,3 @@ class FinetuneConfig:
             raise FieldError("frozen_epochs", f"{self.frozen_epochs} is more than epochs={self.epochs}")
         if self.val_every < 0:
             raise FieldError("val_every", f"{self.val_every}: needs 0 (each epoch) or a number of steps")
-        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
-            raise FieldError("warmup_fraction", f"{self.warmup_fraction}: needs 0 <= warmup_fraction < 1")
-        if self.head == "auto" and self.head_init != "probe":
-            raise FieldError("head", "auto chooses among fitted probes: it needs head_init: probe")

@@ -14,6 +14,10 @@ cuda (torchrun + DDP, bf16) and xla, on pretraining's skeleton (train/loop.py). 
 resumes from its last whole epoch to the weights an uninterrupted one reaches (on another process
 count, at that epoch of its layout). The best epoch is kept as a checkpoint that `make export`,
 `make embed` and `make probe` read like a pretraining one (its head included).
+
+Its parts: the classifier and its layer groups (evals/classifier.py), the labelled rows and their
+dataset (evals/finetune_data.py), the schedules (evals/finetune_schedule.py); the curves plot is
+train/curves.py plot_history.
 """
 from __future__ import annotations
 
@@ -29,135 +33,34 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
-from evals import features, probe, probe_heads, subsets
-from evals.backbone import Backbone, load_backbone, training_seed
+from evals import features, probe, probe_heads
 from evals import probe_metrics as pm
-from evals.config import FinetuneConfig, ProbeConfig
+from evals.backbone import Backbone, load_backbone, training_seed
+from evals.classifier import Classifier, layer_groups
+from evals.config import FinetuneConfig
+from evals.finetune_data import Labelled, training_rows
+from evals.finetune_schedule import budget_epochs, epochs_of, lr_factor, thaw_ramp
 from manifests.aireadi import TASKS
-from octfm import cli, config, fsio, plots
-from train import checkpoint, data, encoder, metrics, runtime, schedule
+from octfm import cli, config, fsio
+from train import checkpoint, data, encoder, metrics, runtime
+from train.checkpoint import to_cpu
+from train.curves import plot_history
 from train.loop import TrainLoop
+from train.metrics import xla_compiles
 from train.model import Encoder, set_drop_path
+from train.optim import guarded_step, load_optimizer, optimizer_flags
 from train.run_folder import RunFolder
-from train.step import decays, guarded_step, load_optimizer, optimizer_flags, to_cpu, xla_compiles
 
 RESUME_FREE = ("out", "device", "workers", "eval_batch", "bootstrap", "log_every", "wandb", "precision")  # may change on resume
 
 
-def run_config(ckpt: str, cache: str, out, init: str, fraction: float, seed: int, task: str, device: str,
-               *args: str) -> FinetuneConfig:
-    """configs/finetune.yaml as users run it, for one scripted run (the learning check's rows): bf16 on
-    cuda, fp32 elsewhere; `args` override any key."""
-    return config.load(FinetuneConfig, "configs/finetune.yaml",
-                       [f"ckpt={ckpt}", f"cache={cache}", f"out={out}", f"init={init}", f"label_fraction={fraction}",
-                        f"seed={seed}", f"task={task}", f"device={device}",
-                        f"precision={'bf16' if device == 'cuda' else 'fp32'}", *args])
-
-
-class Labelled(Dataset):
-    """The training dataset's crop and flip of a row (data.CacheDataset, no masks), with its class."""
-
-    def __init__(self, ds: data.CacheDataset, y: list[int]):
-        self.ds, self.y = ds, y
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, key) -> dict:
-        item = self.ds[key]
-        return {"x": item["x"], "aug": item["aug"], "y": torch.tensor(self.y[key[1]])}  # a tensor: XLA's loader shards it
-
-
-class Classifier(nn.Module):
-    """Encoder + one probe head (evals/probe_heads.py) over its pooled vector or pooled token grid."""
-
-    def __init__(self, enc: Encoder, head: str, classes: int, token_pool):
-        super().__init__()
-        self.encoder, self.kind, self.token_pool = enc, head, tuple(token_pool)
-        dim = enc.norm.normalized_shape[0]
-        self.head = probe_heads.make_heads(head, 1, dim, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(x)
-        tokens = self.encoder.pool_grid(h, self.token_pool) if probe_heads.reads_tokens(self.kind) else None
-        return self.head(self.encoder.pool(h), tokens)[:, 0]            # [B, classes]
-
-
-def layer_id(name: str, depth: int) -> int:
-    """0 for the stem and patchify, i + 1 for block i, and the final norm with the last block
-    (depth) (encoder names)."""
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
-    return depth if name.startswith("norm.") else 0
-
-
-def layer_groups(model: Classifier, cfg: FinetuneConfig) -> list[dict]:
-    """AdamW groups, each with its peak lr: encoder layer l at lr x layer_decay^(depth - l) (the
-    last block and the final norm at lr, the patchify lowest), the head at head_lr; weight decay
-    on weights only (`decays`: not on biases, the head's included, nor norms)."""
-    depth = len(model.encoder.blocks)
-    groups: dict[tuple, dict] = {}
-    for name, p in model.named_parameters():
-        if name.startswith("encoder."):
-            sub = name[len("encoder."):]
-            lr = cfg.lr * cfg.layer_decay ** (depth - layer_id(sub, depth))
-            key = (f"layer_{layer_id(sub, depth)}", decays(sub, p))
-        else:
-            lr, key = cfg.head_lr, ("head", decays(name, p))
-        g = groups.setdefault(key, {"params": [], "names": [], "peak_lr": lr, "encoder": key[0] != "head",
-                                    "weight_decay": cfg.weight_decay if key[1] else 0.0})
-        g["params"].append(p)
-        g["names"].append(name)
-    return list(groups.values())
-
-
-def lr_factor(step, total: int, warmup: int):
-    """Linear warmup over `warmup` steps (the first step at 1/warmup), then cosine from 1 to 0 at
-    `total`; `step` an int or a device tensor (schedule.warmup_cosine)."""
-    return schedule.warmup_cosine(step, total, warmup, start=0.0, peak=1.0, final=0.0, offset=1)
-
-
-def thaw_ramp(step, thawed_at: int, warmup: int):
-    """The encoder's own warmup once it unfreezes at step `thawed_at`: 1/warmup at that step up to 1
-    (its AdamW moments start empty there, so full-size updates would be lr x sign(g) everywhere);
-    1 when it trains from the start. `step` an int or a device tensor."""
-    if thawed_at <= 0 or warmup <= 0:
-        return 1.0
-    r = (step - thawed_at + 1) / warmup
-    return r.clamp(0.0, 1.0) if torch.is_tensor(r) else min(1.0, max(0.0, r))
-
-
-def budget_epochs(cfg: FinetuneConfig, per_epoch: int) -> int:
-    """The epochs a run trains: `epochs`, or fewer when `max_steps` (a budget in optimizer steps,
-    whatever the label fraction) ends it first; never fewer than the frozen epochs plus one."""
-    if cfg.max_steps is None:
-        return cfg.epochs
-    return max(min(cfg.frozen_epochs + 1, cfg.epochs), min(cfg.epochs, -(-cfg.max_steps // max(1, per_epoch))))
-
-
-def epochs_of(step: int, per_epoch: int) -> int | float:
-    """Optimizer steps as epochs: a whole number at an epoch's end, else to two decimals."""
-    e = step / per_epoch
-    return int(e) if e == int(e) else round(e, 2)
-
-
 def run_dir(cfg: FinetuneConfig) -> Path:
+    """The run folder: `out`, or runs/finetune_<task>_<init>[_<pct>pct]."""
     if cfg.out:
         return Path(cfg.out)
     pct = "" if cfg.label_fraction == 1 else f"_{round(100 * cfg.label_fraction)}pct"
     return Path("runs") / f"finetune_{cfg.task}_{cfg.init}{pct}"
-
-
-def training_rows(cfg: FinetuneConfig, cache: str) -> tuple[list[dict], np.ndarray]:
-    """The labelled rows (leak-checked: fine-tuning tests on participants it never trained on)
-    and the train mask: the train split, or its stratified label fraction of participants."""
-    rows = probe.labelled_rows(cache, cfg.seed, shuffle=False)
-    if not rows:
-        raise cli.UsageError(f"cache: no labelled ok volumes in {cache}")
-    people = subsets.nested_fractions(rows, [cfg.label_fraction], cfg.seed)[cfg.label_fraction]
-    return rows, subsets.train_mask(rows, people)
 
 
 class Finetuner(TrainLoop):
@@ -200,21 +103,14 @@ class Finetuner(TrainLoop):
 
     def _build_model(self, enc: Encoder, saved: tuple[str, dict] | None) -> None:
         """The encoder and its head: shaped as saved (its weights and scalers load in _resume; no
-        start features to recompute), else the probe fitted on the starting features (head_init:
-        probe), else a fresh head, behind the train rows' channel scalers with `standardize`."""
+        start features to recompute), else a fresh head (zeros), behind the train rows' channel
+        scalers with `standardize`."""
         cfg = self.cfg
-        self.head_fit: dict | None = None  # the fitted probe the head started from (head_init: probe)
-        fitted = None
-        if saved is not None:
-            self.kind, self.head_fit = saved[1]["finetune"]["head"], saved[1]["finetune"]["head_fit"]
-        else:
-            self.kind, fitted = self.fitted_head(enc) if cfg.head_init == "probe" else (cfg.head, None)
+        self.kind = saved[1]["finetune"]["head"] if saved is not None else cfg.head
         torch.manual_seed(training_seed(cfg) + 1)  # the head's weights: the same for both inits
         self.model = Classifier(enc, self.kind, self.spec["classes"], cfg.token_pool).to(self.rt.device)
         if saved is not None:
             self.model.head = probe_heads.shaped_like(self.kind, self.model.head, saved[1]["head"]).to(self.rt.device)
-        elif fitted is not None:
-            self.model.head = fitted
         elif cfg.standardize:
             self.model.head = self.scaled(self.model.head)
         set_drop_path(self.model.encoder, cfg.drop_path)
@@ -262,27 +158,6 @@ class Finetuner(TrainLoop):
         return probe_heads.ScaledHeads(head, probe_heads.ChannelScaler(pooled),
                                        probe_heads.ChannelScaler(grids) if tokens else None).to(self.rt.device)
 
-    def fitted_head(self, enc: Encoder) -> tuple[str, probe_heads.ScaledHeads]:
-        """The head kind and its first weights: a probe fitted on the starting encoder's features as
-        the probes fit theirs (configs/probe.yaml's grid, at least the full train split's steps;
-        channels standardised with `standardize`) and chosen on the val rows, so the encoder thaws
-        under a head that already reads it (LP-FT). `head: auto` fits each of the probes' kinds and
-        keeps the one val ranks first (docs/recipe.md, Fine-tuning)."""
-        cfg = self.cfg
-        kinds = ProbeConfig().heads if cfg.head == "auto" else [cfg.head]
-        fit = self.train | (self.split == "val")
-        pooled, tokens = self.start_features(enc, fit, any(probe_heads.reads_tokens(k) for k in kinds))
-        pcfg = ProbeConfig(heads=kinds, standardize=cfg.standardize, token_pool=cfg.token_pool,
-                           seed=training_seed(cfg), device="cpu" if self.rt.kind == "xla" else str(self.rt.device))
-        pcfg.min_steps = probe.fraction_steps(pcfg, self.split == "train")
-        grids = {k: probe.fit_grid(k, pcfg, {"pooled": pooled, "tokens": tokens}, self.y[fit], self.split[fit],
-                                   self.spec["classes"], self.train[fit], self.split[fit] == "val") for k in kinds}
-        kind = max(kinds, key=lambda k: probe.val_rank(*grids[k].val))
-        g = grids[kind]
-        self.head_fit = {"head": kind, "lr": g.grid[g.best][0], "weight_decay": g.grid[g.best][1],
-                         "steps": pcfg.min_steps, "val_balanced_accuracy": g.val[0], "val_auroc": g.val[1],
-                         "val_by_head": {k: grids[k].val[0] for k in kinds}}
-        return kind, g.heads.one(g.best).to(self.rt.device)
 
     # ------------------------------------------------------------ state
     def settings(self) -> dict:
@@ -299,7 +174,7 @@ class Finetuner(TrainLoop):
               "head": self.model.head.state_dict(), "step": self.position(),
               "finetune": {"settings": self.settings(), "task": self.cfg.task, "head": self.kind,
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
-                           "from": self.ident, "best": self.best, "head_fit": self.head_fit}}
+                           "from": self.ident, "best": self.best}}
         if not best:
             st.update(optimizer=self.opt.state_dict(), train_step=self.step, layout=self.layout(), stale=self.stale,
                       history=self.history, **self.guard.state())
@@ -456,14 +331,11 @@ class Finetuner(TrainLoop):
         better one counts toward `patience`: not in the frozen epochs nor in the encoder's warmup
         after them, where it cannot improve yet, and not in the first half of the run's epochs,
         where a random-init encoder at 10% of labels was still at chance (docs/recipe.md, Fine-tuning)."""
-        warmup = self.warmup_steps() / self.per_epoch if self.cfg.warmup_fraction is not None \
-            else math.ceil(self.cfg.warmup_epochs)
+        warmup = math.ceil(self.cfg.warmup_epochs)
         return epoch > max(self.cfg.frozen_epochs + warmup, math.ceil(self.total / self.per_epoch / 2))
 
     def warmup_steps(self) -> int:
-        cfg = self.cfg
-        return round(cfg.warmup_fraction * self.total) if cfg.warmup_fraction is not None \
-            else round(cfg.warmup_epochs * self.per_epoch)
+        return round(self.cfg.warmup_epochs * self.per_epoch)
 
     def stopped(self) -> bool:
         return bool(self.cfg.patience) and self.stale >= self.cfg.patience
@@ -537,7 +409,7 @@ class Finetuner(TrainLoop):
         res = {"encoder": name, "head": self.kind, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay,
                "val_balanced_accuracy": best["finetune"]["best"]["balanced_accuracy"],
                "val_auroc": best["finetune"]["best"]["auroc"], "best_epoch": best["finetune"]["best"]["epoch"],
-               "best_step": best["finetune"]["best"]["step"], "head_fit": self.head_fit,
+               "best_step": best["finetune"]["best"]["step"],
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
                "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
         result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,
@@ -553,25 +425,6 @@ class Finetuner(TrainLoop):
             probe.write_report(result, out, self.y[test], prob[test])
             plot_history(self.history, out / "curves.png", f"{self.cfg.task}: fine-tuning ({self.cfg.init})")
         return {**result, "prob": prob}  # every row's class probabilities (val and test filled): in memory only
-
-
-def plot_history(history: list[dict], path: Path, title: str) -> None:
-    """Train loss and val balanced accuracy per epoch."""
-    if not history:
-        return
-    plt = plots.pyplot()
-    ep = [h["epoch"] for h in history]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.plot(ep, [h["loss"] for h in history], "o-")
-    a.set_title("train loss (epoch mean)")
-    b.plot(ep, [h["balanced_accuracy"] for h in history], "o-")
-    b.set_title("val balanced accuracy")
-    for ax in (a, b):
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    plots.save_png(fig, path, dpi=80)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Many probe heads trained at once on frozen features: a grid of learning rate x weight
 decay for a linear probe (the pooled tokens, `model.pool`), an attentive probe (learned queries
-attend over the tokens), and a readout for a few informative tokens among many (issue 41):
+attend over the tokens), and a readout for a few informative tokens among many (check/token_probe.py):
 gated-attention multiple-instance pooling. (A top-k readout of per-token class scores was tried
 and left out: on the two-marked-tokens test of tests/test_probe.py it trained to 0.48 or to 0.95
 depending on the learning rate and the number of bags; docs/history/learning-check.md, a readout
@@ -219,11 +219,6 @@ class ScaledHeads(nn.Module):
         t = self.scale_t(tokens.float()) if self.scale_t is not None and tokens is not None else tokens
         return self.heads.prepare(self.scale_p(pooled.float()), t)
 
-    def one(self, h: int) -> "ScaledHeads":
-        """The grid's head `h` alone (every head keeps its weights stacked on dim 0), behind the same
-        scalers: a fitted probe head as fine-tuning's first head (`head_init: probe`)."""
-        return self.part(h, h + 1)
-
     def part(self, lo: int, hi: int, encoder: int = 0) -> "ScaledHeads":
         """Heads lo..hi of the stack, behind encoder `encoder`'s scalers (of a stacked grid, its
         own; else the only ones)."""
@@ -241,10 +236,6 @@ class HeadGrid:
 
     def __init__(self, heads: ScaledHeads, device: torch.device, encoders: int = 1):
         self.heads, self.device, self.encoders = heads, device, encoders
-
-    def one(self, h: int) -> ScaledHeads:
-        """Head `h` of the grid alone, behind the same scalers (ScaledHeads.one)."""
-        return self.heads.one(h)
 
     def encoder(self, e: int) -> "HeadGrid":
         """Encoder `e`'s heads of a stacked grid, as a grid of that encoder alone (called on its features)."""

@@ -33,7 +33,7 @@ def preload_modules(base: Sequence[str] = HEAVY) -> list[str]:
     module itself (not even from `base`): a worker runs the main module
     again as `__mp_main__` (runpy), which then finds its imports loaded; had the server imported
     the main module by its name, runpy warns in every worker that it found it in sys.modules
-    (stop 49's preload did, 15 warnings a loader on the H200) and the worker runs it anyway.
+    (an earlier preload did: 15 warnings a loader on the H200) and the worker runs it anyway.
     Other `-m` mains are left out (`pytest.__main__`'s imports are not ours). A main script run
     by its path is not helped: the standard library's server start passes no `main_path`
     (Python 3.11 and 3.12), so each worker runs such a script itself, one after another (ours

@@ -36,6 +36,28 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
+def run_here(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args` in this process: its main through cli.run (the same exit status, stdout and
+    stderr as run_cli), for a test that runs a stage again and again. A subprocess costs about 6 s of
+    imports per run on 2 cores; each command keeps a run_cli test of its own start (the entry, its exit
+    status) somewhere in the light lane."""
+    import contextlib
+    import importlib
+    import io
+
+    from octfm import cli
+
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.run(main, list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
+
+
 def train_here(*args: str) -> str:
     """`make pretrain` in this process (configs/pretrain_smoke.yaml, then `args`): its stdout.
     For tests that run several short trainings and read their files: a subprocess costs about 6 s
@@ -367,16 +389,29 @@ def tiny_cache(request, tmp_path_factory) -> Path:
 def _build_signal_cache(folder: Path) -> None:
     synth.generate(folder / "ds", synth.SynthConfig(participants=60, scale=16, seed=5, bad_files=False, unlabeled=0,
                                                     signal=4.0))
-    r = run_cli("cache.build", "--source", str(folder / "ds"), "--cache", str(folder / "cache"), "--no-progress",
-                "preprocess.target_shape=[16,64,64]")
+    r = run_here("cache.build", "--source", str(folder / "ds"), "--cache", str(folder / "cache"), "--no-progress",
+                 "preprocess.target_shape=[16,64,64]")
     assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture(scope="session")
 def signal_cache(request, tmp_path_factory) -> Path:
     """A cache with a planted class signal (INL thickness grows with the label), 60
-    participants, built by the real `cache.build` command; shared by the probe tests."""
+    participants, built by `cache.build`'s main (in this process: conftest.run_here); shared by the probe tests."""
     return own_copy(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
+
+
+def _build_signal_run(cache: Path, root: Path) -> None:
+    train_here(*tiny_train_args(cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
+
+
+@pytest.fixture(scope="session")
+def signal_run(request, tmp_path_factory) -> Path:
+    """A 2-step pretraining run on the planted-signal cache, built once per session and shared read-only
+    (its config names the shared build of signal_cache): a test that writes into the run (a probe's
+    reports, a checkpoint) copies it first."""
+    cache = built_once(request, tmp_path_factory, "signal", _build_signal_cache) / "cache"
+    return built_once(request, tmp_path_factory, "signal_run", lambda root: _build_signal_run(cache, root)) / "runs" / "p"
 
 
 def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[str]:
@@ -391,29 +426,50 @@ def tiny_train_args(cache: Path, runs: Path, name: str = "t", **extra) -> list[s
     return [f"{k}={v}" for k, v in args.items()]
 
 
-def _build_tiny_run(cache: Path, root: Path) -> None:
+TINY_RUN = dict(name="tiny", max_steps=4, ckpt_every=2, val_every=2, val_batches=1, eval_every=2,
+                **{"online_probe.k": 3})  # the tiny run's keys beside tiny_train_args'
+
+
+def _build_wandb_run(cache: Path, root: Path) -> None:
     import importlib.util
 
     env = {"WANDB_API_KEY": "", **{f"WANDB_{k}_DIR": str(root / f"wandb_{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")}}
     wandb = str(importlib.util.find_spec("wandb") is not None).lower()
-    args = tiny_train_args(cache, root / "runs", name="tiny", max_steps=4, ckpt_every=2, val_every=2,
-                           val_batches=1, eval_every=2, **{"wandb.enabled": wandb, "wandb.mode": "offline",
-                                                           "wandb.log_checkpoints": "true", "online_probe.k": 3})
+    args = tiny_train_args(cache, root / "runs", **TINY_RUN, **{"wandb.enabled": wandb, "wandb.mode": "offline",
+                                                                "wandb.log_checkpoints": "true"})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
-                "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
+    _probe_tiny(root)
+
+
+@pytest.fixture(scope="session")
+def wandb_run(request, tmp_path_factory) -> Path:
+    """The tiny run (below) with W&B offline (checkpoints as artifacts), read-only and shared: the W&B test
+    and `make report`'s page read it. W&B starts its own service, so this run trains in a process of its
+    own, apart from the tiny run the other stages read (a worker needing that one does not wait on W&B).
+    W&B only where it is installed: the GPU machine's wheel folder has none."""
+    cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
+    return built_once(request, tmp_path_factory, "wandb_run", lambda root: _build_wandb_run(cache, root)) / "runs" / "tiny"
+
+
+def _probe_tiny(root: Path) -> None:
+    r = run_here("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
+                 "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _build_tiny_run(cache: Path, root: Path) -> None:
+    train_here(*tiny_train_args(cache, root / "runs", **TINY_RUN, **{"wandb.enabled": "false"}))
+    _probe_tiny(root)
 
 
 @pytest.fixture(scope="session")
 def tiny_run(request, tmp_path_factory) -> Path:
-    """A 4-step run on tiny_cache's volumes with validation, the online probe, W&B offline (checkpoints
-    as artifacts) and a small probe: the run folder `make report` and the W&B test read. Read-only and
-    shared by every worker, not copied: its config names the shared builds (of tiny_cache too), which
-    stages that find a run from its checkpoint (embed, export) write under. A test that writes beside
-    it passes its own --out. W&B only where it is installed: the GPU machine's wheel folder has none,
-    and its CUDA tests read the checkpoint."""
+    """A 4-step run on tiny_cache's volumes with validation, the online probe and a small probe, trained in
+    this process: the run folder `make report`, embed, export and fine-tuning read. Read-only and shared by
+    every worker, not copied: its config names the shared builds (of tiny_cache too), which stages that find
+    a run from its checkpoint (embed, export) write under. A test that writes beside it passes its own
+    --out. The same run with W&B: wandb_run."""
     cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
     run = built_once(request, tmp_path_factory, "tiny_run", lambda root: _build_tiny_run(cache, root))
     return run / "runs" / "tiny"

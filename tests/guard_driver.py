@@ -16,7 +16,8 @@ import torch
 from octfm import config
 from train import pretrain, runtime
 from train.config import TrainConfig
-from train.step import set_scalar, xla_compiles
+from train.metrics import xla_compiles
+from train.schedule import set_scalar
 
 
 def spiked(net, scale: torch.Tensor):

@@ -63,7 +63,7 @@ def test_each_backend_gets_a_kernel_whose_memory_is_linear_but_xla_off_tpu():
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_tpu_wrapper_pads_to_whole_blocks_and_matches_softmax_attention(pallas, n, masked):
     torch.manual_seed(n)
-    b, h, dh = 2, 3, 16
+    b, h, dh = (2, 3, 16) if n <= 1024 else (1, 1, 16)  # the longest sequence alone: its double-precision scores
     q, k, v = (torch.randn(b, h, n, dh) for _ in range(3))
     keep = None
     if masked:

@@ -1,4 +1,4 @@
-"""The training crop (issue 26, defect 9): `data.scale` cuts a random box of a fraction of the
+"""The training crop: `data.scale` cuts a random box of a fraction of the
 crop and resizes it back, so a cache stored at the crop's own size (production: 64 x 384 x 384)
 still sees scale and position jitter (the recipe: [0.8, 1]); [1, 1] is the plain random crop."""
 import pytest
@@ -56,7 +56,7 @@ def test_a_bad_scale_is_refused_by_its_key(bad, tiny_cache, tmp_path):
 
 
 def test_the_augment_bench_divides_by_the_loaders_workers_on_this_host(monkeypatch):
-    """Issue 65, item 6: the production config leaves data.workers null (from the host's cores), and
+    """The production config leaves data.workers null (from the host's cores), and
     `make bench`'s augment suite divided by it, so it always reported "not measured"."""
     import os
 

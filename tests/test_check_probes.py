@@ -1,12 +1,12 @@
-"""The learning check's head choice on val (decision 8): the simplest head kind within one
+"""The learning check's head choice on val: the simplest head kind within one
 paired-bootstrap standard error of the best, not the best val score outright; and the headline's
-one kind for both encoders, chosen on their mean val (decision 49)."""
+one kind for both encoders, chosen on their mean val (docs/history/learning-check.md)."""
 import dataclasses
 
 import numpy as np
 import pytest
 
-from check import probes as check_probes, rows as check_rows, verdicts
+from check import probes as check_probes, result_rows, verdicts
 from evals import probe
 from evals import probe_metrics as pm
 
@@ -50,7 +50,7 @@ def test_a_head_within_one_standard_error_of_the_best_gives_way_to_the_simpler()
 
 
 def test_a_label_fraction_trains_as_many_steps_as_its_full_fold(monkeypatch):
-    """Decision 32: heads on folds narrowed to a label fraction train at least the optimizer steps
+    """Heads on folds narrowed to a label fraction train at least the optimizer steps
     `epochs` take on each fold's own full train rows (held-out scanners: folds of different sizes),
     never fewer than `min_steps`; without the full folds, `epochs` as they are."""
     from evals.config import ProbeConfig
@@ -103,7 +103,7 @@ def _draw_fits(n_draws: int):
 
 def _by_hand(rows: list[dict], a: np.ndarray, b: np.ndarray | None, mask: np.ndarray, n_boot: int, seed: int) -> dict:
     """The binary task's test balanced accuracy of a (minus b's), with its interval, by an explicit
-    loop over participant resamples: the formulas before decision 44, written out, not through
+    loop over participant resamples: the formulas from before the random-init draws, written out, not through
     check_probes' own scoring (score and paired share it with the rows under test)."""
     y, groups = check_probes.task_arrays("diabetic", rows)[0][mask], np.array([r["participant_id"] for r in rows])[mask]
     a, b = a[mask], None if b is None else b[mask]
@@ -117,7 +117,7 @@ def _by_hand(rows: list[dict], a: np.ndarray, b: np.ndarray | None, mask: np.nda
 
 
 def test_one_random_draw_gives_the_rows_it_gave_before_the_draws():
-    """Decision 44: with one random-init draw every row is what the formulas before it gave (each
+    """With one random-init draw every row is what the formulas before it gave (each
     encoder's test balanced accuracy and the paired difference, by a participant-resample loop
     written out here, and the single score's interval as probe_metrics.bootstrap_ci gives it; the
     fit's own val and heads), to the last digit, and no per-draw rows are added."""
@@ -143,7 +143,7 @@ def test_one_random_draw_gives_the_rows_it_gave_before_the_draws():
 
 
 def test_random_init_rows_are_the_mean_of_their_draws():
-    """Decision 44: the random-init score is the mean of the draws' scores, pretrained minus it
+    """The random-init score is the mean of the draws' scores, pretrained minus it
     the mean of pretrained minus each; each draw's own row is kept, draw 1's the one-draw row."""
     rows, fs, pre, rand = _draw_fits(3)
     c = check_probes.compare("diabetic", rows, {"pretrained": pre, "random_init": rand}, fs, 50, 0)
@@ -187,12 +187,12 @@ def _participants() -> list[dict]:
 
 
 def _headline(wrong: dict):
-    """check_rows.headline_probes for a pretrained encoder and two random-init draws, tagged in
+    """result_rows.headline_probes for a pretrained encoder and two random-init draws, tagged in
     that order by `wrong`'s keys, on _participants, and the verdict read of it."""
     from evals.config import ProbeConfig
 
     feats = {name: {"tag": tag} for name, tag in zip(["pretrained", "random_init", "random_init_2"], wrong)}
-    head = check_rows.headline_probes(ProbeConfig(heads=["linear", "attentive"], bootstrap=200), _participants(),
+    head = result_rows.headline_probes(ProbeConfig(heads=["linear", "attentive"], bootstrap=200), _participants(),
                                 feats, "splits", 200)
     result = {"tasks": head["tasks"], "target": 0.10, "protocol": "splits", "cue": "lesions", "random_draws": 2}
     return head, verdicts.verdict(result)
@@ -203,9 +203,9 @@ def _erring(n: int, seed: int, share: float) -> np.ndarray:
 
 
 def test_the_headline_reads_both_encoders_through_the_kind_chosen_for_the_pair(monkeypatch):
-    """Issue 65's case: the one-SE rule keeps the pretrained encoder's linear head (its attentive head
-    better on val, within one standard error) and gives random init the attentive one. Decision 49:
-    the verdict reads both through one kind, here attentive, and its row is the attentive heads' row."""
+    """The one-SE rule keeps the pretrained encoder's linear head (its attentive head
+    better on val, within one standard error) and gives random init the attentive one; the
+    verdict reads both through one kind, here attentive, and its row is the attentive heads' row."""
     n, va = 400, np.arange(400) < 150
     base = _erring(n, 0, 0.35)
     close = np.roll(base, 7)
@@ -217,7 +217,7 @@ def test_the_headline_reads_both_encoders_through_the_kind_chosen_for_the_pair(m
     head, verdict = _headline(wrong)
     t = head["tasks"]["diabetic"]["comparisons"]
     mixed, attentive = t[check_probes.CHOSEN], t["attentive"]
-    assert (mixed["pretrained_head"], mixed["random_head"]) == ("linear", "attentive")    # decision 8's rows
+    assert (mixed["pretrained_head"], mixed["random_head"]) == ("linear", "attentive")    # each encoder's own choice
     assert f"diabetic (attentive) {attentive['difference']:+.3f} " in verdict
     assert f"{mixed['difference']:+.3f}" not in verdict
     same = t[check_probes.SAME_KIND]
@@ -228,7 +228,7 @@ def test_the_headline_reads_both_encoders_through_the_kind_chosen_for_the_pair(m
 
 
 def test_random_init_draws_count_once_together_in_the_pairs_choice(monkeypatch):
-    """Decision 49: the pair's score of a kind is the mean of pretrained's val and random init's (its
+    """The pair's score of a kind is the mean of pretrained's val and random init's (its
     draws' mean), a half each, not a mean over three encoders; the choice and its scores are recorded."""
     n, va = 400, np.arange(400) < 150
     base = _erring(n, 0, 0.3)

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 27): `latest` is a pointer to the newest step file, never a second full
+"""Checkpoints: `latest` is a pointer to the newest step file, never a second full
 copy, and the trainer's saves are written in the background from a snapshot training cannot
 change, one at a time, with any write error surfacing at the next save or the run's end."""
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_a_run_stopped_by_an_error_still_finishes_its_pending_write(tiny_cache, 
     assert checkpoint.list_steps(tr.ckpt_dir) == [1], "the pending write was waited for"
 
 
-# ------------------------------------------------------------------ issue 40: one meaning of "newest"
+# ------------------------------------------------------------------ one meaning of "newest"
 def test_after_a_resume_from_an_older_step_the_newest_is_the_last_written(tmp_path):
     """Save 6 and 8; resume from 6 (CKPT=) and save 7: automatic resume, make probe, the lockout
     message and the learning check all take 7 (the pointer), never the abandoned 8; pruning goes
@@ -197,7 +197,7 @@ def test_a_reader_following_the_pointer_survives_a_prune_in_between(tmp_path, mo
     assert st["step"] == 9 and uri.endswith("step_0000009.pt") and raced
 
 
-# ------------------------------------------------------------------ issue 65, item 5: files that vanish are said
+# ------------------------------------------------------------------ files that vanish are said
 VANISHED = "disappeared while they were being read"
 
 

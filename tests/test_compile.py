@@ -1,4 +1,4 @@
-"""`compile: true` (torch.compile of the student and the target, issue 27): the compiled
+"""`compile: true` (torch.compile of the student and the target): the compiled
 training step computes what the eager one does, and compiles once."""
 import pytest
 import torch

@@ -123,6 +123,26 @@ def test_a_checkpoint_or_model_folder_from_before_the_cut_is_refused_naming_the_
         encoder.read_config(folder)
 
 
+def test_a_checkpoint_holding_a_removed_research_setting_loads_at_the_value_the_trainer_runs():
+    """mask.context and loss.latent left the trainer (each ran one value in every recipe): a checkpoint
+    that saved them at that value loads as before; one trained with another value is refused, naming it."""
+    import copy
+
+    from train.config import RETIRED, TrainConfig, saved_config
+
+    now = config.to_dict(config.load(TrainConfig, "configs/pretrain_check.yaml"))
+    saved = copy.deepcopy(now)
+    saved["mask"]["context"], saved["loss"]["latent"] = "trimmed", 1.0   # what every earlier checkpoint holds
+    assert RETIRED == {"mask.context": "trimmed", "loss.latent": 1.0}
+    assert saved_config(saved, "before.pt") == saved_config(now, "now.pt")
+    assert saved["mask"]["context"] == "trimmed"                         # the caller's dict is left as it was
+    for path, value in (("mask.context", "padded"), ("loss.latent", 0.0)):
+        other = copy.deepcopy(saved)
+        other[path.split(".")[0]][path.split(".")[1]] = value
+        with pytest.raises(config.ConfigError, match=rf"other\.pt: a checkpoint trained with {path}={value!r}"):
+            saved_config(other, "other.pt")
+
+
 def test_shipped_configs_are_the_defaults():
     """`python -m evals.finetune` or `evals.probe` without --config runs the recipe the shipped
     YAML (what make passes) holds, not an older one left in the dataclass (the probe config

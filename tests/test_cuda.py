@@ -17,7 +17,8 @@ from guard_driver import spiked
 from octfm import config
 from train import attention, checkpoint, pretrain, runtime
 from train.config import TrainConfig
-from train.step import guard_path, set_scalar
+from train.optim import guard_path
+from train.schedule import set_scalar
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (make device-check runs these)")]

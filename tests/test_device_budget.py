@@ -1,4 +1,4 @@
-"""make device-check's budget (issue 75): one lent GPU call of about ten minutes, the most telling
+"""make device-check's budget: one lent GPU call of about ten minutes, the most telling
 numbers first. Each item has a predicted cost (CPU measurements scaled to the GPU) and a cap; it
 starts only when its prediction fits in what is left and is stopped at its cap. No GPU needed."""
 import json
@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from bench import device_check as dc
+from bench import device_budget, device_check as dc, device_steps
 from bench import device_report, reference_bench
 from conftest import REPO
 from octfm import cli
 
 
 def test_the_items_come_in_the_order_of_what_each_tells_per_second():
-    assert [it.key for it in dc.plan_items()] == [
+    assert [it.key for it in device_budget.plan_items()] == [
         "environment", "production/eager", "production/pred_heads_12", "production/cudnn_attention", "reference",
         "stem_conv", "production/compiled", "check/eager", "check/compiled", "run", "cuda_tests"]
-    assert all(it.cap_s > it.predicted_s > 0 for it in dc.plan_items())
+    assert all(it.cap_s > it.predicted_s > 0 for it in device_budget.plan_items())
 
 
 def test_what_470_seconds_buy():
@@ -28,9 +28,9 @@ def test_what_470_seconds_buy():
     and vjepa2 beside octfm, all fit; so do the stem's convolution, the compiled production step and
     the check's eager step. The check's compiled step, the real run and the CUDA tests do not (a
     call whose items take less than predicted reaches them: the rule reads the clock)."""
-    items = dc.plan_items()
+    items = device_budget.plan_items()
     print("\n".join(f"{it.key:28s} predicted {it.predicted_s:6.1f} s, cap {it.cap_s:4.0f} s" for it in items))
-    got = dict(dc.budget_plan(items, 470))
+    got = dict(device_budget.budget_plan(items, 470))
     print(got)
     for key in ("environment", "production/eager", "production/pred_heads_12", "production/cudnn_attention",
                 "reference"):
@@ -46,14 +46,14 @@ def test_the_predictions_scale_the_cpu_measurements():
     """The compile is the CPU's front end (dynamo + AOTAutograd) times 1 + the back end's
     multiplier; a step's seconds are its FLOPs over the GPU's assumed rate; only the first item
     to read the production cache pays for it."""
-    c = dc.predicted_costs()
-    m, g = dc.CPU_MEASURED, dc.GPU_ASSUMED
+    c = device_budget.predicted_costs()
+    m, g = device_budget.CPU_MEASURED, device_budget.GPU_ASSUMED
     compile_s = c["production/compiled"] - c["production/pred_heads_12"]
     assert compile_s == pytest.approx((m["first_use_s"] + m["front_end_blocks_s"]) * (1 + g["backend_x"]))
     assert c["production/eager"] - c["production/pred_heads_12"] == pytest.approx(m["cache_s"] / g["parallel_x"])
-    faster = dc.predicted_costs(gpu={**g, "tflops": 2 * g["tflops"]})
+    faster = device_budget.predicted_costs(gpu={**g, "tflops": 2 * g["tflops"]})
     saved = c["production/pred_heads_12"] - faster["production/pred_heads_12"]
-    assert saved == pytest.approx(dc.STEPS * m["step_tflop"] / g["tflops"] / 2)
+    assert saved == pytest.approx(device_budget.STEPS * m["step_tflop"] / g["tflops"] / 2)
     # the whole step's compile, were it chosen, would not leave the check room
     whole = (m["first_use_s"] + m["front_end_whole_s"]) * (1 + g["backend_x"])
     assert whole > 4 * compile_s
@@ -61,15 +61,15 @@ def test_the_predictions_scale_the_cpu_measurements():
 
 def test_an_item_starts_only_when_its_prediction_fits_and_says_so():
     now = [0.0]
-    budget = dc.Budget(100, clock=lambda: now[0])
+    budget = device_budget.Budget(100, clock=lambda: now[0])
     now[0] = 70.0
     assert budget.left() == 30
-    assert dc.refusal(45, budget.left()) == "45 s of budget needed, 30 s left"
-    assert dc.refusal(30, budget.left()) is None
-    item = dc.Item("production", "eager", predicted_s=20, cap_s=60)
-    assert dc.limit(item, 30) == (30, "the budget's end")   # less left than its cap
-    assert dc.limit(item, 300) == (60, "its cap")
-    assert dc.budget_plan([item, dc.Item("run", None, 15, 40)], 30) == [("production/eager", None),
+    assert device_budget.refusal(45, budget.left()) == "45 s of budget needed, 30 s left"
+    assert device_budget.refusal(30, budget.left()) is None
+    item = device_budget.Item("production", "eager", predicted_s=20, cap_s=60)
+    assert device_budget.limit(item, 30) == (30, "the budget's end")   # less left than its cap
+    assert device_budget.limit(item, 300) == (60, "its cap")
+    assert device_budget.budget_plan([item, device_budget.Item("run", None, 15, 40)], 30) == [("production/eager", None),
                                                                   ("run", "15 s of budget needed, 10 s left")]
 
 
@@ -85,13 +85,13 @@ def test_an_item_past_its_cap_is_stopped_and_the_next_still_runs(tmp_path):
             time.sleep(5)
         if name == "slow_process":  # its timing printed, then stuck (in its profile, say)
             code = f"import json, time; print(json.dumps({ {**step, 'step_s': 0.1} }), flush=True); time.sleep(30)"
-            return dc.run_json(code, timeout=dc.remaining(ctx))
+            return device_steps.run_json(code, timeout=device_budget.remaining(ctx))
         return step
 
     t = time.monotonic()
-    got = dc.variants(ctx, "production", {"slow": (dc.Item("production", "slow", 0.5, 1),),
-                                          "slow_process": (dc.Item("production", "slow_process", 0.5, 4),),
-                                          "next": (dc.Item("production", "next", 0.5, 5),)}, one)
+    got = device_budget.variants(ctx, "production", {"slow": (device_budget.Item("production", "slow", 0.5, 1),),
+                                          "slow_process": (device_budget.Item("production", "slow_process", 0.5, 4),),
+                                          "next": (device_budget.Item("production", "next", 0.5, 5),)}, one)
     assert time.monotonic() - t < 15
     assert got["slow"]["stopped"] == "stopped at its cap (1 s)" and got["slow"]["predicted_s"] == 0.5
     assert got["slow_process"]["step_s"] == 0.1 and "stopped after 2 s" in got["slow_process"]["stopped"]
@@ -102,8 +102,8 @@ def test_an_item_past_its_cap_is_stopped_and_the_next_still_runs(tmp_path):
 
 
 def test_a_process_stopped_before_printing_is_a_stop_not_a_failure():
-    with pytest.raises(dc.CapReached):
-        dc.run_json("import time; time.sleep(30)", timeout=1)
+    with pytest.raises(device_budget.CapReached):
+        device_steps.run_json("import time; time.sleep(30)", timeout=1)
 
 
 def test_the_scratch_folder_is_outside_out(tmp_path):
@@ -120,9 +120,9 @@ def test_the_scratch_folder_is_outside_out(tmp_path):
 
 
 def test_out_keeps_only_bounded_results():
-    long = "x" * (dc.OUT_STRING_LIMIT + 500) + "the end"
-    got = dc.bounded({"a": [long, 1], "b": {"c": long}})
-    assert got["a"][0].endswith("the end") and len(got["a"][0]) == dc.OUT_STRING_LIMIT + 3
+    long = "x" * (device_report.OUT_STRING_LIMIT + 500) + "the end"
+    got = device_report.bounded({"a": [long, 1], "b": {"c": long}})
+    assert got["a"][0].endswith("the end") and len(got["a"][0]) == device_report.OUT_STRING_LIMIT + 3
     assert got["a"][1] == 1 and got["b"]["c"] == got["a"][0]
 
 
@@ -156,7 +156,7 @@ def test_a_reference_measurement_stopped_at_its_deadline_reports_its_rounds():
 def test_the_stem_convolution_is_timed_with_cudnn_benchmark_off_and_on(tmp_path):
     """The dry run's version: the CPU at tiny sizes (the flag changes nothing there)."""
     ctx = {"sizes": dc.Sizes(True), "deadline": time.monotonic() + 120}
-    r = dc.stem_conv(ctx)
+    r = device_steps.stem_conv(ctx)
     assert r["stem"] == [16] and r["off"]["step_ms"] > 0 and r["on"]["first_s"] > 0 and r["off_over_on"] > 0
     md = "\n".join(device_report.markdown({"stem_conv": r}))
     assert "torch.backends.cudnn.benchmark" in md and "| on |" in md

@@ -58,7 +58,7 @@ def test_the_dry_run_measures_every_section_and_writes_its_verdicts(tmp_path):
 def test_the_budget_skips_what_it_cannot_fit_and_says_so(tmp_path):
     """Each variant after the first starts only with the budget it needs left; a skipped or failed
     one is recorded with its reason and the next still runs (a call cut short keeps the rest)."""
-    from bench import device_check as dc, device_report
+    from bench import device_budget, device_report
 
     left = iter([100, 10, 100])  # read once per variant that needs budget (b, c, d)
     ctx = {"left": lambda: next(left), "out": tmp_path, "results": {}}
@@ -71,7 +71,7 @@ def test_the_budget_skips_what_it_cannot_fit_and_says_so(tmp_path):
         return {"step_s": 1.0, "seen": sorted(done), "params_m": 1.0, "batch": 2, "tokens": 64, "tokens_per_s": 128.0,
                 "first_step_s": 1.0}
 
-    got = dc.variants(ctx, "production", {"a": (0,), "b": (50,), "c": (50,), "d": (50,)}, one)
+    got = device_budget.variants(ctx, "production", {"a": (0,), "b": (50,), "c": (50,), "d": (50,)}, one)
     assert ran == ["a", "b", "d"] and got["b"]["seen"] == ["a"]
     assert "50 s of budget needed, 10 s left" in got["c"]["skipped"] and "out of memory" in got["d"]["error"]
     assert json.loads((tmp_path / "device_check.json").read_text())["production"]["d"]["error"]
@@ -101,7 +101,7 @@ def test_the_profile_counts_each_kernel_once_and_leaves_the_host_waits_out():
     """A CPU op's self device time repeats its kernels' (torch sums device rows only): two steps of
     an op launching a 10 us kernel are 10 us of device time per step, not 20; a GPU annotation and
     the host's synchronize are neither work nor device time."""
-    from bench.device_check import profile_summary
+    from bench.device_steps import profile_summary
 
     events = [_event("aten::mm", "CPU", self_cpu=8.0, self_device=20.0, count=2),
               _event("cudaLaunchKernel", "CPU", self_cpu=6.0, count=2),
@@ -121,7 +121,7 @@ def test_the_profile_counts_each_kernel_once_and_leaves_the_host_waits_out():
 def test_a_step_process_that_dies_after_its_timing_keeps_the_timing():
     """The step's timing is printed before its profile: a crash in the profiler (CUPTI) keeps the
     measured step, with the error beside it; a process that printed nothing raises with its stderr."""
-    from bench.device_check import run_json
+    from bench.device_steps import run_json
 
     code = "import json, sys; print(json.dumps({'step_s': 0.1}), flush=True); sys.exit('profiler died')"
     assert run_json(code, timeout=60) == {"step_s": 0.1, "late_error": "profiler died\n"}
@@ -157,6 +157,15 @@ def test_learning_check_device_builds_the_check_command_from_make_variables(tmp_
     assert two[two.index("--finetune-seeds") + 1] == "2"
     off = check_command(_lc_args(tmp_path, finetune="0", ft_seeds="5"), [])
     assert "--finetune" not in off and "--finetune-seeds" not in off and "--seed" not in off
+    # CUE=scanners asks its one question: no reference nor fine-tuning per held-out scanner (the check refuses them)
+    scanners = check_command(_lc_args(tmp_path, cue="scanners"), [])
+    assert "--label-efficiency" not in scanners and "--finetune" not in scanners
+    from bench.device_run import HELD_OUT_CUES
+    from check import learning_check
+
+    assert set(HELD_OUT_CUES) == {c for c, cue in learning_check.CUES.items() if cue.protocol != "splits"}
+    for c in (cmd, smoke, two, off, scanners):                   # each a command line the check takes
+        learning_check.parse(c[c.index("--size"):])
 
 
 def test_learning_check_device_brings_back_the_log_and_results_of_a_run_cut_short(tmp_path, monkeypatch, capfd):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from train.step import guarded_step
+from train.optim import guarded_step
 
 
 def _pages() -> list:
@@ -45,7 +45,7 @@ def test_training_doc_names_each_guard_path(phrase):
 
 
 def test_readme_is_a_users_page():
-    """Issue 63: README is at most 350 lines and names no numbered decision (docs/history/learning-check.md holds them)."""
+    """README is at most 350 lines and names no numbered decision (docs/history/learning-check.md holds them)."""
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 350
     assert not [line for line in lines if re.search(r"\b[Dd]ecisions? F?\d", line)]

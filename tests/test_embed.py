@@ -1,7 +1,7 @@
 """`make embed`: a pandas table with one row per cached volume and its pooled embedding;
 reuses the probes' features, a killed run resumes from the chunks it wrote (its own
 checkpoint's only), a second run on the same output is refused while the first lives, and a
-split leak in the manifest does not stop it (issue 26, defect 1)."""
+split leak in the manifest does not stop it."""
 from __future__ import annotations
 
 import os
@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO, keys_after_edits, run_cli, run_here
 from cache import store
 from evals import features
-from octfm import fsio
+from octfm import config, fsio
 from train import data, encoder
 
 KEYS = ["participant_id", "device", "laterality", "anatomic_region", "imaging", "split", "label"]
@@ -40,6 +40,7 @@ def expected_embeddings(ckpt: str, cache, rows) -> np.ndarray:
 def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, tiny_cache, tmp_path):
     ckpt = probed_checkpoint(tiny_run)
     out = tmp_path / "embeddings.parquet"
+    # as a user runs it; the other runs here go in this process (conftest.run_here), except where two must live
     r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--chunk", "7", "--no-progress")
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(out)
@@ -52,7 +53,7 @@ def test_embeddings_table_reuses_probe_features_and_reads_in_pandas(tiny_run, ti
     np.testing.assert_allclose(emb[:4], expected_embeddings(ckpt, tiny_cache, rows[:4]), atol=1e-5, rtol=0)
     print(df[KEYS + ["embedding"]].head())
 
-    again = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    again = run_here("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
     assert again.returncode == 0 and f"0 embedded, 0 from the probes' features, {len(rows)} already done" in again.stdout
 
 
@@ -63,7 +64,7 @@ def test_bf16_embeddings_are_their_own_table_close_to_float32(tiny_run, tiny_cac
     ckpt = probed_checkpoint(tiny_run)
     rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
     out = tmp_path / "bf16.parquet"
-    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--precision", "bf16", "--no-progress")
+    r = run_here("evals.embed", "--ckpt", ckpt, "--out", str(out), "--precision", "bf16", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert f"{len(rows)} embedded, 0 from the probes' features" in r.stdout, r.stdout
     emb = np.stack(pd.read_parquet(out).embedding.to_numpy())
@@ -106,7 +107,7 @@ def test_a_killed_embed_resumes_from_its_chunks(tiny_run, tiny_cache, tmp_path):
 
     chunk.unlink()
     chunk.write_bytes(saved)
-    r = run_cli("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out), "--no-progress")
+    r = run_here("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     assert f"{len(rows) - 4} embedded, 0 from the probes' features, 4 already done" in r.stdout, r.stdout
     assert not parts.exists()
@@ -123,7 +124,7 @@ def test_chunks_another_checkpoint_left_are_not_taken(tiny_run, tiny_cache, tmp_
 
     a_ckpt, b_ckpt = str(tiny_run / "checkpoints" / "step_0000002.pt"), str(tiny_run / "checkpoints" / "step_0000004.pt")
     a_table = tmp_path / "a.parquet"
-    assert run_cli("evals.embed", "--ckpt", a_ckpt, "--out", str(a_table), "--no-progress").returncode == 0
+    assert run_here("evals.embed", "--ckpt", a_ckpt, "--out", str(a_table), "--no-progress").returncode == 0
     out = tmp_path / "emb.parquet"
     parts = tmp_path / "emb.parquet.parts"
     _, cfg, ident = features.checkpoint_encoder(b_ckpt)
@@ -131,7 +132,7 @@ def test_chunks_another_checkpoint_left_are_not_taken(tiny_run, tiny_cache, tmp_
     for where in (parts, parts / b_key):  # where a killed A left chunks: the old layout, and mislabelled under B's key
         where.mkdir(parents=True, exist_ok=True)
         shutil.copy(a_table, where / "chunk-00000.parquet")
-    r = run_cli("evals.embed", "--ckpt", b_ckpt, "--out", str(out), "--no-progress")
+    r = run_here("evals.embed", "--ckpt", b_ckpt, "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     rows = data.select_rows(str(tiny_cache), ["train", "val", "test"], None)
     df = pd.read_parquet(out)
@@ -151,7 +152,7 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_lives(tiny_r
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     lock.write_text(str(gone.pid))                          # a killed run's lock
-    r = run_cli("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
+    r = run_here("evals.embed", "--ckpt", ckpt, "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     assert f"taking over the lock of pid {gone.pid}" in r.stderr and out.exists() and not lock.exists()
 
@@ -171,8 +172,30 @@ def test_a_split_leak_does_not_stop_embedding(tiny_run, tiny_cache, tmp_path):
     t.loc[first, "split"] = "test"                          # one of their volumes in test, the rest in train
     pq.write_table(pa.Table.from_pandas(t, schema=pq.read_schema(part), preserve_index=False), part)
     ckpt = probed_checkpoint(tiny_run)
-    r = run_cli("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(tmp_path / "e.parquet"),
+    r = run_here("evals.embed", "--ckpt", ckpt, "--cache", str(cache), "--out", str(tmp_path / "e.parquet"),
                 "--no-progress")
     assert r.returncode == 0, r.stderr
     rows = data.select_rows(str(cache), ["train", "val", "test"], None)
     assert len(pd.read_parquet(tmp_path / "e.parquet")) == len(rows)
+
+
+def test_kept_features_embeddings_and_leaderboard_rows_are_keyed_on_their_code(tmp_path, monkeypatch):
+    """An edit to the model's code (the bf16 residual stream changed the pooled features) makes the
+    features, the embeddings and the leaderboard's stored rows afresh: their keys change; an edit
+    to a file none of them imports keeps them."""
+    from evals import embed, features, leaderboard
+    from evals.config import ProbeConfig
+    from train.config import TrainConfig
+
+    ident, cfg = {"step": 2, "name": "step_0000002.pt"}, TrainConfig()
+    rows = [{"relpath": "a.dcm", "cache_key": "k"}]
+
+    def keys() -> tuple[str, str, str]:
+        return (features.feature_key(ident, rows, cfg, (1, 2, 2)), embed.embed_key(ident, cfg, "c"),
+                leaderboard.settings_key(ProbeConfig()))
+
+    packages = {f.split("/")[0] for f in config.import_closure("evals/probe.py", "train/plan.py")}
+    before, plan_edited, after = keys_after_edits(tmp_path, monkeypatch, packages, keys,
+                                                  ["train/plan.py", "train/model.py"])
+    assert plan_edited == before
+    assert [a != b for a, b in zip(after, before)] == [True, True, True], (before, after)

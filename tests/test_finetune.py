@@ -1,19 +1,22 @@
-"""`make finetune`: end to end on a small planted-signal cache, frozen epochs, layer-wise decay,
-a killed run resumed, a model folder and a checkpoint alike."""
+"""`make finetune`: end to end from the session's tiny run (the planted-signal run where a label fraction
+must leave train participants out), frozen epochs, layer-wise decay, a killed run resumed, a model folder
+and a checkpoint alike."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_cli, same_optimizer, same_state, tiny_train_args, train_here
-from evals import finetune
+from conftest import REPO, run_cli, run_here, same_optimizer, same_state
+from evals import finetune, finetune_schedule
 from evals.config import FinetuneConfig
 from octfm import cli, config
 from cache import store
@@ -23,12 +26,18 @@ from train import checkpoint, runtime
 QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
 
 
-@pytest.fixture(scope="module")
-def pretrained(signal_cache, tmp_path_factory):
-    """A checkpoint of a 2-step pretraining run on the planted-signal cache."""
-    root = tmp_path_factory.mktemp("finetune")
-    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
-    return root / "runs" / "p" / "checkpoints" / "step_0000002.pt"
+@pytest.fixture(scope="session")
+def pretrained(tiny_run):
+    """The session's tiny run's last checkpoint (tiny_cache's 24 volumes, 8 of them train): read only, every
+    run here writes under its own `out`."""
+    return tiny_run / "checkpoints" / "step_0000004.pt"
+
+
+@pytest.fixture(scope="session")
+def signal_pretrained(signal_run):
+    """The shared 2-step run on the planted-signal cache (40 train participants): for the tests whose
+    label fraction must be a strict subset of the train participants (tiny_cache has four)."""
+    return signal_run / "checkpoints" / "step_0000002.pt"
 
 
 def _cfg(ckpt, out, **kw) -> FinetuneConfig:
@@ -109,9 +118,9 @@ def test_layer_decay_gives_each_block_its_learning_rate(pretrained, tmp_path):
         assert og["lr"] is lr and len(og["params"]) == len(g["params"])
         assert all(a is b for a, b in zip(og["params"], g["params"])) and og["weight_decay"] == g["weight_decay"]
     # linear warmup, then cosine from 1 to 0
-    assert [finetune.lr_factor(s, 110, 10) for s in (0, 9, 60, 110)] == pytest.approx([0.1, 1.0, 0.5, 0.0])
+    assert [finetune_schedule.lr_factor(s, 110, 10) for s in (0, 9, 60, 110)] == pytest.approx([0.1, 1.0, 0.5, 0.0])
     # the loop computes it on the device from a step tensor: the same values
-    assert [float(finetune.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
+    assert [float(finetune_schedule.lr_factor(torch.tensor(float(s)), 110, 10)) for s in (0, 9, 60, 110)] == \
         pytest.approx([0.1, 1.0, 0.5, 0.0], abs=1e-6)
     assert [b.drop_path for b in ft.model.encoder.blocks] == [0.0, pytest.approx(0.2)]
 
@@ -133,13 +142,13 @@ def _train_embeddings(ft: finetune.Finetuner) -> tuple[np.ndarray, np.ndarray]:
     return pooled[ft.train], tokens[ft.train]
 
 
-def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pretrained, tmp_path):
+def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(signal_pretrained, tmp_path):
     """The probes' heads read standardised channels and fine-tuning's head does too (docs/recipe.md,
     Fine-tuning), by the statistics of the encoder it starts from over the label fraction's train rows; a token head scales its tokens as well (the attentive head here).
     `standardize=false`: the head as before. The statistics stay fixed while the encoder trains."""
-    ft = _finetuner(_cfg(pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
+    ft = _finetuner(_cfg(signal_pretrained, tmp_path / "att", head="attentive", label_fraction=0.5, epochs=1))
     pooled, tokens = _train_embeddings(ft)
-    assert ft.train.sum() < len(ft.train)  # a label fraction: the statistics are its rows'
+    assert ft.train.sum() < (ft.split == "train").sum()  # a label fraction: the statistics are its rows'
     scaled = ft.model.head.scale_p(torch.from_numpy(pooled)).numpy()
     moving = pooled.std(0) > 1e-4
     assert np.allclose(scaled.mean(0), 0, atol=1e-3) and np.allclose(scaled.std(0)[moving], 1, atol=1e-2)
@@ -148,70 +157,20 @@ def test_the_head_reads_channels_standardised_by_the_train_rows_at_the_start(pre
     before = {k: v.clone() for k, v in ft.model.head.state_dict().items() if k.startswith("scale")}
     ft.run(progress=False)
     assert same_state(before, {k: v for k, v in ft.model.head.state_dict().items() if k.startswith("scale")})
-    plain = _finetuner(_cfg(pretrained, tmp_path / "plain", head="attentive", standardize="false"))
+    plain = _finetuner(_cfg(signal_pretrained, tmp_path / "plain", head="attentive", standardize="false"))
     assert not hasattr(plain.model.head, "scale_p")
-    unscaled = _finetuner(_cfg(pretrained, tmp_path / "lp", standardize="false", head_init="probe"))  # a probe's head
-    assert not any(k.startswith("scale") for k in unscaled.model.head.state_dict())                   # on raw channels
 
 
-def test_the_head_starts_as_the_probe_fitted_on_the_frozen_features(pretrained, tmp_path):
-    """LP-FT (docs/recipe.md, Fine-tuning): before the first epoch the head is a probe fitted as `make probe` fits
-    one (configs/probe.yaml's grid, the full train split's steps, chosen on val) on the starting
-    encoder's features of the label fraction's train rows; the fine-tuner's own predictions then are
-    that probe's. `head_init=zero`: a zero head, as before."""
-    from evals import probe
-    from evals.config import ProbeConfig
-
-    ft = _finetuner(_cfg(pretrained, tmp_path / "lp", label_fraction=0.5, epochs=1, head="linear", head_init="probe"))
-    feats = {"pooled": _all_embeddings(ft)[0], "tokens": None}
-    pcfg = ProbeConfig(heads=["linear"], seed=ft.cfg.seed)
-    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
-    chosen, prob = probe.fit_and_select("linear", pcfg, feats, ft.y, ft.split, 2, ft.train, ft.split == "val")
-    assert ft.head_fit["lr"] == chosen["lr"] and ft.head_fit["weight_decay"] == chosen["weight_decay"]
-    assert ft.head_fit["val_balanced_accuracy"] == pytest.approx(chosen["val_balanced_accuracy"])
-    va = ft.split == "val"
-    assert np.allclose(ft.predict(va), prob[va], atol=1e-4)       # the fine-tuner starts where the probe ended
-    res = ft.run(progress=False)
-    assert res["probes"][0]["head_fit"] == ft.head_fit
-    zero = _finetuner(_cfg(pretrained, tmp_path / "zero", head_init="zero", head="linear"))
-    assert zero.head_fit is None and not zero.model.head.heads.w.any()
 
 
-def test_auto_fine_tunes_the_head_kind_whose_fitted_probe_val_ranks_first(pretrained, tmp_path):
-    """`head: auto` (docs/recipe.md, Fine-tuning) fits a probe of each of the probes' kinds on the
-    starting features and fine-tunes the one val ranks first, started as that probe; the kind is
-    what the run reports and exports. It needs a fitted start: with head_init=zero it is refused."""
-    from evals import probe
-    from evals.config import ProbeConfig
-
-    ft = _finetuner(_cfg(pretrained, tmp_path / "auto", label_fraction=0.5, epochs=1, head="auto", head_init="probe"))
-    pooled, tokens = _all_embeddings(ft)
-    pcfg = ProbeConfig(seed=ft.cfg.seed)
-    pcfg.min_steps = probe.fraction_steps(pcfg, ft.split == "train")
-    fits = {k: probe.fit_and_select(k, pcfg, {"pooled": pooled, "tokens": tokens}, ft.y, ft.split, 2, ft.train,
-                                    ft.split == "val") for k in ("linear", "attentive")}
-    best = max(fits, key=lambda k: probe.val_rank(fits[k][0]["val_balanced_accuracy"], fits[k][0]["val_auroc"]))
-    assert ft.kind == best == ft.head_fit["head"] and ft.model.kind == best
-    assert ft.head_fit["val_by_head"] == pytest.approx({k: f[0]["val_balanced_accuracy"] for k, f in fits.items()})
-    va = ft.split == "val"
-    assert np.allclose(ft.predict(va), fits[best][1][va], atol=1e-4)
-    assert ft.state()["finetune"]["head"] == best                      # what make export writes
-    with pytest.raises(config.ConfigError, match="'head': auto .* needs head_init: probe"):
-        _cfg(pretrained, tmp_path / "z", head="auto", head_init="zero")
-
-
-@pytest.mark.parametrize("kw", [{"head": "attentive"},  # standardised, zero start: the shipped recipe's head
-                                pytest.param({"head": "linear", "standardize": "false", "head_init": "probe"},
-                                             marks=pytest.mark.slow)])  # a fitted raw head (12 s): the heavy lane
-def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch, kw):
-    """A resume rebuilds the head (its kind, scalers and fitted start's record) from the checkpoint
-    instead of extracting the start features and refitting the probes again (stop 53 left that): the
-    resumed head is the one the cut run held when it saved (not merely the file's, which the resume
-    read: issue 65, item 8), and epoch 1 had moved it from its start; the saved shapes load into the
-    head make_heads builds (probe_heads.shaped_like, as make export's folders do)."""
+def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, monkeypatch):
+    """A resume rebuilds the head (its kind and scalers) from the checkpoint instead of extracting the
+    start features again: the resumed head is the one the cut run held when it saved (not merely the
+    file's, which the resume read), and epoch 1 had moved it from its start; the saved shapes load
+    into the head make_heads builds (probe_heads.shaped_like, as make export's folders do)."""
     from evals import probe_heads
 
-    cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, **kw)
+    cfg = _cfg(pretrained, tmp_path / "cut", label_fraction=0.5, epochs=2, head="attentive")
     ft = _finetuner(cfg)
     held = lambda: {k: v.detach().clone() for k, v in ft.model.head.state_dict().items()}  # noqa: E731
     start, at_save = held(), []
@@ -234,26 +193,13 @@ def test_a_resumed_run_takes_its_head_from_the_checkpoint(pretrained, tmp_path, 
         raise AssertionError("the start features were extracted again on a resume")
     monkeypatch.setattr(finetune.Finetuner, "start_features", refused)
     again = _finetuner(cfg)
-    assert again.resumed and again.epoch == 1 and again.kind == ft.kind and again.head_fit == ft.head_fit
+    assert again.resumed and again.epoch == 1 and again.kind == ft.kind
     assert len(at_save) == 1 and not same_state(at_save[0], start)     # epoch 1 trained the head
     assert same_state(again.model.head.state_dict(), at_save[0])
     assert again.run(progress=False)["epochs_run"] == 2
     made = probe_heads.make_heads(ft.kind, 1, ft.model.encoder.norm.normalized_shape[0], 2)
     probe_heads.shaped_like(ft.kind, made, st["head"]).load_state_dict(st["head"])  # strict: every key, every shape
 
-
-@pytest.mark.parametrize("kind", ["linear", "attentive", "mil"])
-def test_one_head_of_a_grid_predicts_as_it_did_in_the_grid(kind):
-    from evals import probe_heads
-
-    rng = np.random.default_rng(0)
-    pooled, tokens = rng.normal(size=(40, 8)).astype(np.float32), rng.normal(size=(40, 6, 8)).astype(np.float32)
-    y = (pooled[:, 0] > 0).astype(np.int64)
-    grid = probe_heads.train_heads(kind, [(1e-2, 0.0), (3e-3, 0.1)], pooled, tokens, y, 2, 3, 8, 0, standardize=True)
-    for h in range(2):
-        one = probe_heads.HeadGrid(grid.one(h), torch.device("cpu"))
-        assert np.allclose(one(pooled, tokens)[0], grid(pooled, tokens)[h], atol=1e-6)
-    assert grid.one(1).heads.w.shape[0] == 1
 
 
 @pytest.mark.slow  # about 30 s on 2 cores (a run killed mid-epoch, resumed, and the uninterrupted one): the heavy lane
@@ -280,7 +226,7 @@ def test_a_killed_run_resumes_to_the_same_weights(pretrained, tmp_path):
 
 def test_a_model_folder_and_a_checkpoint_finetune_alike(pretrained, tmp_path):
     folder = tmp_path / "model"
-    r = run_cli("evals.export", "--ckpt", str(pretrained), "--out", str(folder))
+    r = run_here("evals.export", "--ckpt", str(pretrained), "--out", str(folder))
     assert r.returncode == 0, r.stderr[-2000:]
     runs = {name: _finetuner(_cfg(src, tmp_path / name, epochs=1)) for name, src in (("ckpt", pretrained),
                                                                                       ("folder", folder))}
@@ -301,7 +247,7 @@ def test_the_best_epoch_exports_with_its_head(pretrained, tmp_path):
     ft = _finetuner(_cfg(pretrained, tmp_path / "ft", epochs=1, head="attentive"))  # the head with more to export
     ft.run(progress=False)  # leaves the best epoch's weights in the model
     folder = tmp_path / "model"
-    r = run_cli("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
+    r = run_here("evals.export", "--ckpt", str(tmp_path / "ft" / "checkpoints" / "best.pt"), "--out", str(folder))
     assert r.returncode == 0, r.stderr[-2000:]
     conf = json.loads((folder / "config.json").read_text())
     assert conf["head"]["task"] == "diabetic" and conf["head"]["kind"] == "attentive"
@@ -378,12 +324,12 @@ def test_a_step_budget_ends_the_run_whatever_the_label_fraction(pretrained, tmp_
     """max_steps (FinetuneConfig) stops a run at a number of optimizer steps, so all labels do not
     train ten times the steps of 10%; never before the frozen epochs and one more."""
     cfg = _cfg(pretrained, tmp_path / "budget", epochs=40, frozen_epochs=1, max_steps=5)
-    assert finetune.budget_epochs(cfg, per_epoch=2) == 3 and finetune.budget_epochs(cfg, per_epoch=10) == 2
-    assert finetune.budget_epochs(_cfg(pretrained, tmp_path / "b2", epochs=4), per_epoch=2) == 4
+    assert finetune_schedule.budget_epochs(cfg, per_epoch=2) == 3 and finetune_schedule.budget_epochs(cfg, per_epoch=10) == 2
+    assert finetune_schedule.budget_epochs(_cfg(pretrained, tmp_path / "b2", epochs=4), per_epoch=2) == 4
     ft = _finetuner(cfg)
     per_epoch = ft.loader(0)[0]
     res = ft.run(progress=False)
-    assert res["epochs_run"] == finetune.budget_epochs(cfg, per_epoch) < 40
+    assert res["epochs_run"] == finetune_schedule.budget_epochs(cfg, per_epoch) < 40
 
 
 def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch):
@@ -392,22 +338,22 @@ def test_validation_reads_the_val_volumes_once(pretrained, tmp_path, monkeypatch
     reads, real = [], encoder.volume_batches
 
     def counting(cache, rows, *a, **kw):
-        reads.append(len(rows))
+        reads.append(sorted(r["relpath"] for r in rows))
         return real(cache, rows, *a, **kw)
 
     monkeypatch.setattr(encoder, "volume_batches", counting)
     ft = _finetuner(_cfg(pretrained, tmp_path / "val", epochs=3))
     ft.run(progress=False)
-    n_val = int((ft.split == "val").sum())
-    assert reads.count(n_val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)
+    val = sorted(r["relpath"] for r, s in zip(ft.rows, ft.split) if s == "val")
+    assert reads.count(val) == 1, reads  # three epochs' validation, one read (finish reads val and test once)
 
 
-def test_a_training_seed_keeps_the_labelled_participants(pretrained, tmp_path):
+def test_a_training_seed_keeps_the_labelled_participants(signal_pretrained, tmp_path):
     """train_seed varies the training (random init, head, order) on the participants `seed` picked:
     several training seeds per init read on one subset; unset, it is `seed`."""
-    runs = {ts: _finetuner(_cfg(pretrained, tmp_path / f"t{ts}", init="random", label_fraction=0.5, seed=3,
+    runs = {ts: _finetuner(_cfg(signal_pretrained, tmp_path / f"t{ts}", init="random", label_fraction=0.5, seed=3,
                                 **({} if ts is None else {"train_seed": ts}))) for ts in (None, 3, 4)}
-    other = _finetuner(_cfg(pretrained, tmp_path / "s4", init="random", label_fraction=0.5, seed=4))
+    other = _finetuner(_cfg(signal_pretrained, tmp_path / "s4", init="random", label_fraction=0.5, seed=4))
     assert np.array_equal(runs[None].train, runs[4].train) and not np.array_equal(runs[None].train, other.train)
     assert same_state(runs[None].model.state_dict(), runs[3].model.state_dict())
     assert not same_state(runs[3].model.state_dict(), runs[4].model.state_dict())
@@ -463,13 +409,13 @@ def test_val_every_scores_by_steps_and_keeps_the_best_state(pretrained, tmp_path
     kept, and the checkpoints are numbered by step."""
     import itertools
 
-    cfg = _cfg(pretrained, tmp_path / "steps", init="random", epochs=4, val_every=2, patience=2, warmup_epochs=0)
+    cfg = _cfg(pretrained, tmp_path / "steps", init="random", epochs=10, val_every=2, patience=2, warmup_epochs=0)
     ft = _finetuner(cfg)
     scores = itertools.chain([0.5, 0.9, 0.6, 0.6, 0.95], itertools.repeat(0.1))
     seen = {}
 
     def scripted():
-        v = {"epoch": finetune.epochs_of(ft.step, ft.per_epoch), "step": ft.step, "balanced_accuracy": next(scores),
+        v = {"epoch": finetune_schedule.epochs_of(ft.step, ft.per_epoch), "step": ft.step, "balanced_accuracy": next(scores),
              "auroc": 0.5}
         seen[ft.step] = {k: t.clone() for k, t in ft.model.encoder.state_dict().items()}
         return v
@@ -517,7 +463,7 @@ def _on_two_processes(cfg: FinetuneConfig) -> finetune.Finetuner:
 
 
 def test_a_run_resumed_on_another_process_count_continues_at_its_epoch(pretrained, tmp_path):
-    """Issue 75, item 4: stopped after epoch 2 of 6 on one process and resumed on two, the run
+    """Stopped after epoch 2 of 6 on one process and resumed on two, the run
     continues at epoch 2 of the two-process layout (whose epochs have half the steps), not at the
     one-process step count read as two-process steps (epoch 4: two epochs never trained, the
     schedule at 67%)."""
@@ -552,3 +498,29 @@ def test_a_one_process_run_resumes_under_torchrun_at_its_epoch(pretrained, tmp_p
     assert "resume: batch 4 x 1 process(es) -> 4 x 2" in r.stdout and "at epoch 2" in r.stdout
     m = json.loads((out / "diabetic" / "metrics.json").read_text())
     assert [h["epoch"] for h in m["history"]] == [2, 3] and m["epochs_run"] == 3
+
+
+def test_a_resumed_finetune_reports_the_start_it_trained_from(signal_run, tmp_path):
+    """CKPT=<run>/checkpoints/latest.pt, and the pretraining saves again before the fine-tuning run
+    resumes: metrics.json's `from` is the checkpoint the run trained from (step 2), not the one
+    latest.pt points at now (step 4)."""
+    from evals import finetune
+    from evals.config import FinetuneConfig
+
+    pretrained = Path(shutil.copytree(signal_run / "checkpoints", tmp_path / "checkpoints"))  # it saves into it
+    cfg = config.load(FinetuneConfig, "configs/finetune.yaml",
+                      [f"ckpt={pretrained / 'latest.pt'}", f"out={tmp_path / 'ft'}", "epochs=2", *QUICK])
+    first = finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
+    assert first.ident["step"] == 2
+    first.step, first.epoch = first.per_epoch, 1  # as if epoch 1 had trained, then the run stopped
+    first.history = [{"epoch": 1, "step": first.step, "balanced_accuracy": 0.5, "auroc": 0.5, "loss": 1.0}]
+    first.save()
+    first.writer.wait()
+    st = checkpoint.load(str(pretrained / "step_0000002.pt"))
+    checkpoint.save({**st, "step": 4}, str(pretrained), 4)  # the pretraining moves on
+    resumed = finetune.Finetuner(cfg, runtime.setup("cpu", "fp32"))
+    assert resumed.resumed
+    res = resumed.run(progress=False)
+    reported = json.loads((tmp_path / "ft" / "diabetic" / "metrics.json").read_text())["from"]
+    assert reported == res["from"] == first.ident, reported
+    assert checkpoint.load(str(tmp_path / "ft" / "checkpoints" / "best.pt"))["finetune"]["from"] == first.ident

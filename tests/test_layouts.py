@@ -196,17 +196,21 @@ def test_a_selection_changed_later_reuses_the_headers_reading(tmp_path, capsys):
 
 
 def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
-    """The cache is keyed on the source's listing, not its path: the same folder regenerated with
-    other participants rebuilds sources.parquet and caches exactly the new files, and the learning
-    check's pretraining run, named for its cache, is another run."""
-    from check import keys
+    """The cache is keyed on the source's listing, not its path: a second build of the unchanged tree
+    reuses every row and the learning check's pretraining run, named for its cache, keeps its name (it
+    resumes); the same folder regenerated with other participants rebuilds sources.parquet, caches
+    exactly the new files, and names another run."""
+    from check import run_names
 
     root = tree(tmp_path, participants=8)
     cache = str(tmp_path / "cache")
     cfg = config.load(CacheConfig, "configs/cache.yaml", [SHAPE])
     cache_build.build(root, cache, cfg, progress=False)
-    before = keys.recipe_name("configs/pretrain_check.yaml", cache, [])
-    assert keys.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # an unchanged cache resumes
+    before = run_names.recipe_name("configs/pretrain_check.yaml", cache, [])
+    capsys.readouterr()
+    again = cache_build.build(root, cache, cfg, progress=False)           # the second run: nothing changed
+    assert f"{len(again)} reused, 0 processed" in capsys.readouterr().out
+    assert run_names.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # the same run: it resumes
     tree(tmp_path, participants=6, seed=9)                   # same path, other files
     stored = cache_build.layout.read_sources(cache)[0]
     capsys.readouterr()
@@ -218,7 +222,7 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
     now, _ = rows_by_relpath(root)
     assert sorted(rows.relpath) == list(now.index)
     assert all((tmp_path / "plain" / rel).exists() for rel in rows.relpath)
-    assert keys.recipe_name("configs/pretrain_check.yaml", cache, []) != before
+    assert run_names.recipe_name("configs/pretrain_check.yaml", cache, []) != before
 
 
 def test_the_manifest_summary_previews_the_cache(tmp_path):

@@ -38,7 +38,7 @@ def stored_mtimes(run) -> dict:
     return {f.name: f.stat().st_mtime_ns for f in files}
 
 
-@pytest.mark.slow  # about 35 s on 2 cores (stop 58: make test over its 7 minutes on a slow hour): the heavy lane, which CI runs
+@pytest.mark.slow  # about 35 s on 2 cores (make test over its time on a slow hour): the heavy lane, which CI runs
 def test_every_checkpoint_is_probed_once_and_tabled(run_a, signal_cache):
     run = run_a / "runs" / "a"
     r = run_cli("evals.leaderboard", "--run", str(run), "--config", "configs/probe.yaml", "--no-progress", *FAST)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_train_args
-from check import keys, learning_check, report, rows as check_rows, verdicts
+from check import learning_check, report, result_rows, run_names, verdicts
 from evals import probe
 from check.config import FRACTIONS, SIZES, CheckConfig
 from evals.config import ProbeConfig
@@ -54,12 +54,12 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         draws = t["comparisons"]["chosen_on_val"]["random_draws"]          # random init: the mean of two draws
         assert [d["draw"] for d in draws] == [1, 2]
         assert abs(t["comparisons"]["chosen_on_val"]["random_init"] - np.mean([d["random_init"] for d in draws])) < 1e-9
-    assert res["random_draws"] == 2 and res["random_init_seeds"] == [16501, 16502]   # the cohort's own (decision 60)
+    assert res["random_draws"] == 2 and res["random_init_seeds"] == [16501, 16502]   # the cohort's own
     assert res["token_probe"]["features_reused"] == {"pretrained": True, "random_init": True}   # draw 1's grid
     assert verdicts.draws_line(res) in (out / "lesions" / "result.md").read_text()
     assert set(res["stages"]) == {"cohort", "cache", "pretrain", "features", "headline probes", "token probe", "probes",
                                   "supervised features",    # the three references' in one pass
-                                  "references and fine-tuning", learning_check.CURVE_JOB,  # at once (decision 47)
+                                  "references and fine-tuning", learning_check.CURVE_JOB,  # at once
                                   *(f"fine-tuning (random init), {f} of labels" for f in ("100%", "25%", "10%"))}
     for task in ("diabetic", "study_group"):                            # the supervised reference, against random
         ref = res["supervised_reference"][task]
@@ -89,7 +89,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert re.search(r"diabetic \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs \d\.\d\d \[", line.stdout)
 
     tune = ["--finetune", "--finetune-fraction", "0.5", "--finetune-fraction", "1.0",   # 50%: off the probes' curve
-            "--finetune-seeds", "2"]                                  # two training seeds per init (decision 13)
+            "--finetune-seeds", "2"]                                  # two training seeds per init
     again = run_cli("check.learning_check", *args, *tune)            # a re-run, with the fine-tuning rows added
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cohort in" in again.stdout and "reused" in again.stdout
@@ -120,9 +120,9 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     assert res2["finetune"]["against_supervised"] in again.stdout
     assert {f"fine-tuning ({i} init), {f} of labels" for i in ("pretrained", "random") for f in ("50%", "100%")} \
         <= set(res2["stages"])
-    t = learning_check.training_seeds(16, 0, 2)                 # the cohort's own training seeds (decision 56)
+    t = learning_check.training_seeds(16, 0, 2)                 # the cohort's own training seeds
     assert res2["training_seeds"] == t == [16000, 16001] and res["training_seeds"] == [16000]
-    for tag in (keys.finetune_tag("random", 0.5, t[0], 0), keys.finetune_tag("random", 0.5, t[1], 0)):
+    for tag in (run_names.finetune_tag("random", 0.5, t[0], 0), run_names.finetune_tag("random", 0.5, t[1], 0)):
         assert (tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" / tag / "diabetic" / "metrics.json").exists()
     assert all(p["train_seeds"] == 2 and len(p["per_seed"]["random_init"]) == 2 for p in tuned)
     runs = res2["finetune"]["runs"]                      # each run's val per epoch: a lent GPU's call returns only $OUT
@@ -130,7 +130,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
         {(f, i, s) for f in (0.5, 1.0) for i in ("pretrained", "random") for s in t}
     rand = next(r for r in runs if (r["fraction"], r["init"], r["train_seed"]) == (0.5, "random", t[1]))
     m = json.loads((tmp_path / "out" / res["run"].rsplit("/", 1)[-1] / "finetune" /
-                    keys.finetune_tag("random", 0.5, t[1], 0) / "diabetic" / "metrics.json").read_text())
+                    run_names.finetune_tag("random", 0.5, t[1], 0) / "diabetic" / "metrics.json").read_text())
     assert rand["val"] == [round(h["balanced_accuracy"], 4) for h in m["history"]] and rand["epochs_run"] == 1
     assert rand["best_epoch"] == m["probes"][0]["best_epoch"] and rand["head"] == m["probes"][0]["head"]
     assert report.tuned_line(rand) in (out / "lesions" / "result.md").read_text()
@@ -138,101 +138,14 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     # the from-scratch run at 100% is the reference there: one run for both rows (its features are the reference's)
     assert sum(s.startswith("fine-tuning (random init), 100%") for s in res2["stages"]) == 1
 
-    scanners = run_cli("check.learning_check", *args, "--cue", "scanners")   # the same cohort and run, held out
+    headline = [a for a in args if a != "--curve"]                     # the scanners cue trains no reference
+    scanners = run_cli("check.learning_check", *headline, "--cue", "scanners")   # the same cohort and run, held out
     assert scanners.returncode == 0, scanners.stderr[-3000:]
     assert "nothing to do" in scanners.stdout
     sres = json.loads((out / "scanners" / "result.json").read_text())
     assert sres["run"] == res["run"] and sres["protocol"] == "scanners" and not sres["supervised_reference"]
     assert 2 <= len(sres["per_scanner"]) <= 4                             # of the four devices, those with test rows
     assert sres["tasks"]["diabetic"]["test_rows"] == res["tasks"]["diabetic"]["test_rows"]  # each test row once
-
-
-
-def test_the_import_closure_follows_every_kind_of_import(tmp_path, monkeypatch):
-    """config.import_closure, which keys the check's results: `import a.b`, `from a import b` (b a
-    module), a function's own import, relative imports and each package's __init__ join it; a module
-    of no package here (the standard library) and a file nothing imports do not."""
-    from octfm import config
-
-    files = {"pkg/__init__.py": "", "pkg/entry.py": "import os\nimport pkg.sub.deep\nfrom pkg import mod\n"
-             "def f():\n    from pkg.lazy import x\n", "pkg/mod.py": "", "pkg/lazy.py": "", "pkg/unused.py": "",
-             "pkg/sub/__init__.py": "", "pkg/sub/deep.py": "from . import rel\nfrom ..up import y\n",
-             "pkg/sub/rel.py": "", "pkg/up.py": "", "loose.py": ""}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    monkeypatch.setattr(config, "REPO_ROOT", tmp_path)
-    assert config.import_closure("pkg/entry.py") == sorted(set(files) - {"pkg/unused.py", "loose.py"})
-
-
-def test_an_edit_to_the_memory_plan_keeps_the_runs_and_one_to_the_trainer_does_not(tmp_path, monkeypatch):
-    from conftest import REPO, keys_after_edits
-
-    cfg = str(REPO / "configs/pretrain_check.yaml")
-    names = lambda: (keys.recipe_name(cfg, "c", []), keys.finetune_tag("random", 0.1, None, 0))  # noqa: E731
-    packages = {f.split("/")[0] for f in keys.keyed_files(keys.FINETUNE_CODE)} | {"train"}
-    before, plan_edited, after = keys_after_edits(tmp_path, monkeypatch, packages, names,
-                                                  ["train/plan.py", "train/schedule.py"])
-    assert plan_edited == before
-    assert all(a != b for a, b in zip(after, before))
-
-
-@pytest.mark.slow  # five subprocesses over a copy of the sources (about 20 s): the heavy lane, beside the end-to-end check
-def test_kept_results_are_keyed_on_the_code(tmp_path):
-    """A copy of the sources: editing train/ gives the recipe a new run name (it trains afresh
-    instead of answering "nothing to do" from runs older code made), editing the probes keeps the
-    pretraining but not fine-tuning (the references too: they are its from-scratch runs, and it can
-    start from a fitted probe), editing evals/finetune.py retrains fine-tuning alone, and editing
-    the generator makes the cohort afresh; unedited, all are reused."""
-    import shutil
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    copy = tmp_path / "repo"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "data", "runs", "tests", "__pycache__",
-                                                              "*.egg-info"))
-    probe = ("import sys; from pathlib import Path; from check import learning_check as lc; "
-             "print(lc.recipe_name('configs/pretrain_check.yaml', 'c', ['max_steps=4'])); "
-             "print(lc.finetune_tag('random', 0.1, None, 0)); "
-             "import dataclasses; from check.cohort import COHORT; "
-             "lc.cohort(Path(sys.argv[1]), dataclasses.replace(COHORT, participants=4))")
-
-    def run():
-        r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cohort")], cwd=copy, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        lines = r.stdout.splitlines()
-        return (lines[0], lines[1]), lines[-1].endswith("reused")
-
-    first, _ = run()
-    assert run() == (first, True)                                    # nothing changed: all reused
-    with open(copy / "evals" / "probe.py", "a") as f:
-        f.write("\n# an edit\n")
-    (pre0, tune0), reused = run()   # a probe edit keeps the pretraining; fine-tuning fits its start as the probes fit
-    assert pre0 == first[0] and tune0 != first[1] and reused
-    with open(copy / "evals" / "finetune.py", "a") as f:
-        f.write("\n# an edit\n")
-    (pre, tune), reused = run()
-    assert pre == pre0 and tune != tune0 and reused                  # fine-tuning's code: only it trains afresh
-    with open(copy / "train" / "model.py", "a") as f:
-        f.write("\n# an edit\n")
-    second, reused = run()
-    assert second[0] != pre and second[1] != tune and reused        # a trainer edit: new runs, the same cohort
-    with open(copy / "ingest" / "synth.py", "a") as f:
-        f.write("\n# an edit\n")
-    assert run() == (second, False)                                  # a generator edit: the cohort anew
-
-
-def test_a_fine_tuning_run_is_named_for_the_seed_that_picks_its_participants():
-    """Issue 40, item 9: a run trained on one label fraction's participants is not reused for another
-    subset (a re-run with `--probe seed=N` draws other participants); the references are such runs."""
-    from pathlib import Path
-
-    a, b = (keys.finetune_tag("random", 0.1, None, s) for s in (0, 1))
-    assert a != b and "_10pct_" in a and Path(a).name == a
-    assert a == keys.finetune_tag("random", 0.1, None, 0)
 
 
 def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds():
@@ -242,7 +155,7 @@ def test_each_generated_cohort_fine_tunes_from_its_own_training_seeds():
     assert a == [301000, 301001, 301002] and b == [307000, 307001, 307002]
     assert learning_check.training_seeds(None, probe_seed=0, n=3) == [None, 1, 2]   # real data: as before
     assert learning_check.training_seeds(None, probe_seed=5, n=2) == [None, 6]
-    tags = {keys.finetune_tag("random", 0.1, t, 0) for t in a + b}
+    tags = {run_names.finetune_tag("random", 0.1, t, 0) for t in a + b}
     assert len(tags) == 6
 
 
@@ -282,8 +195,8 @@ def test_each_generated_cohort_draws_its_own_random_init_encoders(monkeypatch, t
 
 
 def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose():
-    """Issue 40, item 8: 'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
-    assert check_rows.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
+    """'fine-tuned >= frozen' compares with the frozen probe's chosen head."""
+    assert result_rows.frozen_probe({"attentive": {"prob": "A"}, "linear": {"prob": "L"},
                                         "chosen_on_val": {"prob": "L"}}) == "L"
     def point(fraction, ft, frozen):
         return {"fraction": fraction, "pretrained": {"balanced_accuracy": ft}, "random_init": {"balanced_accuracy": 0.6},
@@ -294,7 +207,7 @@ def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose(
     verdict = verdicts.finetune_verdict([point(0.1, 0.70, 0.65), point(1.0, 0.8, 0.82)])
     first, *lines = verdict.splitlines()
     assert "PASS" in first and "target at 10% of labels" in first
-    # issue 64: a reading at 10% and at 100% of labels, each against from scratch and the frozen probe with intervals
+    # a reading at 10% and at 100% of labels, each against from scratch and the frozen probe with intervals
     assert lines[0].startswith("- 10% of labels: fine-tuned 0.700, from scratch 0.600, frozen probe (head chosen on val) "
                                "0.650; pretrained - random-init +0.100 [+0.020, +0.180], fine-tuned - frozen +0.050")
     assert lines[1].startswith("- 100% of labels: fine-tuned 0.800") and "fine-tuned - frozen -0.020" in lines[1]
@@ -302,7 +215,7 @@ def test_the_fine_tuning_rows_set_fine_tuning_against_the_frozen_head_val_chose(
 
 
 def test_fine_tuned_rows_are_means_over_training_seeds():
-    """Decision 13: with several training seeds per init a fine-tuned row is their mean, and its
+    """With several training seeds per init a fine-tuned row is their mean, and its
     differences are means of paired differences (every seed scored on each resample); one seed
     gives the single run's numbers."""
     import numpy as np
@@ -320,7 +233,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     fs = check_probes.folds(rows, "splits")
     te = fs[0][3]
     ba = lambda p: check_probes.score("diabetic", rows, p, te, 0, 0)["balanced_accuracy"]  # noqa: E731
-    [row] = check_rows.finetune_rows(rows, tuned, frozen, fs, 100, 0)
+    [row] = result_rows.finetune_rows(rows, tuned, frozen, fs, 100, 0)
     assert row["train_seeds"] == 2
     assert row["per_seed"]["pretrained"] == [ba(p) for p in tuned[0.1]["pretrained"]]
     assert row["pretrained"]["balanced_accuracy"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]))
@@ -329,7 +242,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
     assert row["finetuned_minus_frozen"]["difference"] == pytest.approx(np.mean(row["per_seed"]["pretrained"]) - ba(frozen[0.1]))
     lo, hi = row["pretrained_minus_random_init"]["difference_ci95"]
     assert lo < row["pretrained_minus_random_init"]["difference"] < hi
-    [one] = check_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
+    [one] = result_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, frozen, fs, 100, 0)
     a, b = (tuned[0.1][k][0][te] for k in ("pretrained", "random"))     # one seed: the paired bootstrap, by hand
     groups, yt = np.array([r["participant_id"] for r in rows])[te], y[te]
     diffs = [pm.balanced_accuracy(yt[i], a[i].argmax(1), 2) - pm.balanced_accuracy(yt[i], b[i].argmax(1), 2)
@@ -343,7 +256,7 @@ def test_fine_tuned_rows_are_means_over_training_seeds():
 
 
 def test_the_seed_resampled_interval_widens_with_the_seeds_spread_only():
-    """Decision 54: the mean over training seeds, its interval drawing seeds as well as participants. Seeds that
+    """The mean over training seeds, its interval drawing seeds as well as participants. Seeds that
     agree give the fixed-seed interval exactly (the same participant resamples); seeds that disagree widen it."""
     import numpy as np
 
@@ -371,10 +284,10 @@ def test_the_seed_resampled_interval_widens_with_the_seeds_spread_only():
     with pytest.raises(ValueError, match="two or more runs"):
         check_probes.seed_resampled_paired("diabetic", rows, [a], [b], te, 10, 0)
     tuned = {0.1: {"pretrained": pa, "random": pb}}
-    [row] = check_rows.finetune_rows(rows, tuned, {0.1: right(0.7)}, check_probes.folds(rows, "splits"), 200, 0)
+    [row] = result_rows.finetune_rows(rows, tuned, {0.1: right(0.7)}, check_probes.folds(rows, "splits"), 200, 0)
     assert row["pretrained_minus_random_init_seeds_resampled"]["difference_ci95"] == pytest.approx(spread["difference_ci95"])
     assert "mean with the seeds resampled too " + verdicts._diff(spread) in verdicts.finetune_verdict([row])
-    [one] = check_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, {0.1: right(0.7)},
+    [one] = result_rows.finetune_rows(rows, {0.1: {k: v[:1] for k, v in tuned[0.1].items()}}, {0.1: right(0.7)},
                                      check_probes.folds(rows, "splits"), 50, 0)
     assert "pretrained_minus_random_init_seeds_resampled" not in one
 
@@ -443,7 +356,7 @@ def gpu_dry_run(tmp_path, out, capsys):
     assert "(target: pretrained >= supervised)" in res["label_efficiency"]["verdict"] and "supervised" not in res["verdict"]
     assert "Reference training (make finetune from random init" in (tmp_path / out / "lesions" / "result.md").read_text()
     # the headline rows were printed as soon as the features existed, and every row but the token probe's
-    # was written before it (a lent GPU's run cut short keeps them; stop 50's was cut in the token probe)
+    # was written before it (a lent GPU's run cut short in the token probe keeps them)
     early = json.loads((tmp_path / out / "lesions" / "result_interim.json").read_text())
     assert early["tasks"] == res["tasks"] and early["label_efficiency"] == res["label_efficiency"]
     assert "token_probe" not in early and "token probe" not in early["stages"] and "probes" in early["stages"]
@@ -453,7 +366,7 @@ def gpu_dry_run(tmp_path, out, capsys):
     assert res["token_probe"]["scorers"].keys() == {"pretrained", "random_init", "voxels"}
     # its two encoders' tokens came from the features pass (probe.encoder_features' grids): no second pass
     assert res["token_probe"]["features_reused"] == {"pretrained": True, "random_init": True}
-    # random init's two draws (decision 44) in the headline's processes and the curve's job alike
+    # random init's two draws in the headline's processes and the curve's job alike
     assert res["random_draws"] == 2 and len(res["tasks"]["diabetic"]["comparisons"]["chosen_on_val"]["random_draws"]) == 2
     assert "random-init (mean of 2 draws)" in (tmp_path / out / "lesions" / "result.md").read_text()
     assert res["verdict"] in printed
@@ -539,54 +452,21 @@ def test_an_unknown_check_key_is_refused_by_name():
         learning_check.parse(["--finetune-seeds", "3"])
 
 
-def test_each_question_has_its_own_verdict_line():
-    """A passing headline with a failing label efficiency reads PASS on the learns line (one line
-    folded both before, so the headline read FAIL), and FAIL on its own line; fine-tuning adds its own."""
-    def point(f, p, s=None):
-        return {"fraction": f, "pretrained": {"balanced_accuracy": p},
-                **({"supervised": {"balanced_accuracy": s}} if s is not None else {})}
-
-    row = {"difference": 0.106, "difference_ci95": [0.052, 0.162], "pretrained": 0.74, "random_init": 0.634,
-           "pretrained_head": "linear"}
-    tasks = {t: {"comparisons": {"same_kind_chosen_on_val": row}} for t in ("diabetic", "study_group")}
-    res = {"cue": "lesions", "protocol": "splits", "target": 0.10, "tasks": tasks, "random_draws": 3,
-           "label_efficiency": {"points": [point(0.1, 0.630, 0.776), point(0.25, 0.7), point(1.0, 0.74)]}}
-    res["verdict"] = verdicts.verdict(res)
-    res["label_efficiency"]["verdict"] = verdicts.label_efficiency_verdict(res)
-    learns, efficiency, tuning = verdicts.verdict_lines(res)
-    assert tuning.startswith("fine-tuning [lesions]: NOT ASKED")
-    assert learns.startswith("learning-check [lesions]: PASS: ") and "+0.106 [+0.052, +0.162]" in learns
-    assert "supervised" not in learns
-    assert efficiency == ("label efficiency [lesions]: FAIL: at 10% of labels frozen pretrained 0.630 vs supervised "
-                          "0.776 (target: pretrained >= supervised)")
-    res["finetune"] = {"verdict": "fine-tuning, ...: PASS (target ...)\n- 10% of labels: ...",
-                       "against_supervised": "fine-tuned at 10% of labels vs the supervised reference ..."}
-    assert verdicts.verdict_lines(res)[2:] == [res["finetune"]["against_supervised"], res["finetune"]["verdict"]]
-    asked_nothing = {**res, "label_efficiency": {"points": [point(0.1, 0.630)]}, "finetune": None}   # the default
-    assert [ln.split(": ")[1] for ln in verdicts.verdict_lines(asked_nothing)[1:]] == ["NOT ASKED", "NOT ASKED"]
-    failing = {**row, "difference_ci95": [-0.01, 0.2]}                 # the interval not above 0: the headline fails
-    assert verdicts.verdict({**res, "tasks": {t: {"comparisons": {"same_kind_chosen_on_val": failing}}
-                                              for t in tasks}}).startswith("learning-check [lesions]: FAIL: ")
-
-
-def test_a_reference_only_above_the_smallest_fraction_says_the_target_was_not_read():
-    """A reference at 25% only: the label-efficiency line names its target as not read, rather than
-    dropping it silently (a review of stop 50); with no reference at all there is no such line."""
-    def pt(f, sup):
-        return {"fraction": f, "pretrained": {"balanced_accuracy": 0.6},
-                **({"supervised": {"balanced_accuracy": 0.7}} if sup else {})}
-
-    def line(*points):
-        return verdicts.label_efficiency_verdict({"cue": "layers", "label_efficiency": {"points": list(points)}})
-
-    assert line(pt(0.1, False), pt(0.25, True), pt(1.0, False)) == \
-        "label efficiency [layers]: NOT READ: no supervised reference at 10% of labels"
-    assert line(pt(0.1, False)) is None
-    assert line(pt(0.1, True)).startswith("label efficiency [layers]: FAIL: at 10% of labels frozen pretrained 0.600")
+def test_the_scanners_cue_refuses_the_questions_it_does_not_ask_by_name():
+    """CUE=scanners holds each scanner out in turn and trains no supervised reference or fine-tuning run per
+    fold: LABELS=1, CURVE=1, FINETUNE=1 and FT_SEEDS there are refused naming the flag, never dropped in
+    silence; the other cues take them."""
+    for argv, flag in ((["--label-efficiency"], "LABELS=1"), (["--curve"], "CURVE=1"), (["--finetune"], "FINETUNE=1"),
+                       (["--finetune-fraction", "0.5"], "FINETUNE=1"),
+                       (["--finetune", "--finetune-seeds", "2"], "FINETUNE=1")):
+        with pytest.raises(config.ConfigError, match=f"scanners.*{flag}"):
+            learning_check.parse(["--cue", "scanners", *argv])
+        assert learning_check.parse(["--cue", "layers", *argv]).cue == "layers"
+    assert learning_check.parse(["--cue", "scanners"]).cue == "scanners"   # the question it asks
 
 
 def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
-    """Decision 32: probe_all fits every encoder at every label fraction below all labels (and the
+    """probe_all fits every encoder at every label fraction below all labels (and the
     frozen probe a fine-tuning fraction is set against) with the full train split's optimizer
     steps; the all-labels fits, the supervised reference's included, keep `epochs` (min_steps 0);
     the result says how many steps."""
@@ -608,7 +488,7 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     monkeypatch.setattr(probe, "fit_and_select_all", lambda kind, cfg, f, y, split, k, tr, va:  # one per encoder
                         seen.extend([(cfg.min_steps, int(tr.sum()))] * len(f)) or real(kind, cfg, f, y, split, k, tr, va))
     tuned = {0.1: {"pretrained": [np.full((400, 2), 0.5)], "random": [np.full((400, 2), 0.5)]}}
-    out = check_rows.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
+    out = result_rows.probe_all(pcfg, rows, feats, sup, "splits", (0.25, 1.0), 20, tuned)
     n = sum(r["split"] == "train" for r in rows)
     full = 2 * math.ceil(n / 16)                                        # epochs x the full split's batches
     assert [m for m, k in seen if k < n] == [full] * 4                  # 10%: the frozen probe; 25%: three encoders
@@ -618,55 +498,8 @@ def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):
     assert out["label_efficiency"]["head_steps"] == [full]
     assert "as many optimizer steps as all labels'" in report.head_steps(out["label_efficiency"])
     seen.clear()
-    only_all = check_rows.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
+    only_all = result_rows.probe_all(pcfg, rows, feats, {}, "splits", (1.0,), 20)
     assert "head_steps" not in only_all["label_efficiency"] and all(m == 0 for m, _ in seen)
-
-
-# what each kept result runs: the entry files that make it (its key must hold every file they import)
-MADE_BY = {"COHORT_CODE": ("ingest/synth.py",),                  # cohort.cohort
-           "PRETRAIN_CODE": ("train/pretrain.py", "cache/build.py"),   # the run reads the cache, named by its path
-           "FINETUNE_CODE": ("evals/finetune.py",)}
-
-
-def test_every_file_a_kept_results_code_imports_keys_it():
-    """Issue 65, item 1: a key that lacks a file its entry imports resumes results an older version of
-    that file made (FINETUNE_CODE lacked evals/features.py, probe_metrics.py and supervised.py). Each
-    entry is imported in a child of one process (the heavy third-party imports shared) and every
-    repository file it loaded must be keyed."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    entries = sorted({e for es in MADE_BY.values() for e in es})
-    code = """if True:
-        import importlib, json, os, sys
-        import monai, numpy, pandas, torch, zarr  # noqa: F401  (loaded once, before the children)
-        for entry in sys.argv[1:]:
-            if os.fork() == 0:
-                try:
-                    importlib.import_module(entry[:-3].replace("/", "."))
-                    files = sorted(rel for rel in (os.path.relpath(m.__file__) for m in list(sys.modules.values())
-                                                   if os.path.isabs(getattr(m, "__file__", None) or "")
-                                                   and m.__file__.startswith(os.getcwd() + os.sep))
-                                   if rel.split(os.sep)[0] in PACKAGES)  # not a venv inside the checkout
-                    print(json.dumps([entry, files]), flush=True)
-                finally:
-                    os._exit(0)
-            os.wait()
-    """
-    import tomllib
-
-    packages = [p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]["find"]["include"]]
-    code = code.replace("PACKAGES", repr(set(packages)))
-    out = subprocess.run([sys.executable, "-c", code, *entries], cwd=REPO, capture_output=True, text=True, check=True)
-    loaded = dict(json.loads(line) for line in out.stdout.splitlines())
-    assert set(loaded) == set(entries) and all(entry in files for entry, files in loaded.items())
-    missing = {key: sorted({f for e in made_by for f in loaded[e]} - set(keys.NOT_KEYED) -
-                           set(keys.keyed_files(getattr(keys, key))))
-               for key, made_by in MADE_BY.items()}
-    assert missing == {key: [] for key in MADE_BY}
 
 
 def _note_pid_and_sleep(path: str, seconds: float) -> None:
@@ -700,7 +533,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("how", ["a job fails", "ctrl-c"])
 def test_a_failure_among_jobs_at_once_is_raised_at_once_and_ends_the_others(tmp_path, how):
-    """Issue 65, item 7: a failed job (or Ctrl-C, here raised where the parent waits) is reported
+    """A failed job (or Ctrl-C, here raised where the parent waits) is reported
     without waiting for a sibling that runs for a minute (a supervised reference runs tens of
     minutes), and the sibling's process is gone afterwards."""
     import time
@@ -724,3 +557,24 @@ def test_a_failure_among_jobs_at_once_is_raised_at_once_and_ends_the_others(tmp_
         procs.in_processes(jobs, 2, ended)
     assert time.perf_counter() - t0 < 30
     assert _gone(int(pid.read_text()))
+
+
+def test_a_learning_check_sets_an_earlier_result_aside_when_it_starts(tmp_path, monkeypatch):
+    """A check cut short (a lent GPU's minutes) leaves its result_interim.* only; an earlier run's
+    result.* must not sit beside them, where `make learning-check-device` copies result* into OUT
+    as if this run had finished: the run moves them into previous/ before its first stage."""
+    from check import learning_check
+
+    dest = tmp_path / "runs" / "lesions"
+    dest.mkdir(parents=True)
+    for name in ("result.json", "result.md", "result.png", "result_interim.json", "result_interim.md"):
+        (dest / name).write_text("an earlier run's")
+
+    def cut_short(*_a, **_k):
+        raise KeyboardInterrupt  # the timeout, at the first stage
+    monkeypatch.setattr(learning_check, "cohort", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        learning_check.check(learning_check.CheckConfig(work=str(tmp_path / "work"), out=str(tmp_path / "runs")))
+    assert sorted(p.name for p in dest.glob("result*")) == []
+    assert sorted(p.name for p in (dest / "previous").iterdir()) == [
+        "result.json", "result.md", "result.png", "result_interim.json", "result_interim.md"]

@@ -1,6 +1,6 @@
 """The rules a run on several hosts (a TPU pod, torchrun across nodes) depends on: checkpoints
 on storage every host sees, every host in the snapshot, nobody leaving before the last write;
-and the trainer pieces issue 39 changed for accelerators (optimizer state before the first step,
+and the trainer pieces changed for accelerators (optimizer state before the first step,
 the EMA as one foreach op, loader workers from the host's cores)."""
 import copy
 import os
@@ -16,7 +16,8 @@ from octfm.config import ConfigError
 from train import checkpoint, data, runtime
 from train.model import Encoder
 from train.config import ModelConfig
-from train.step import ema_update, init_optimizer_state
+from train.ema import ema_update
+from train.optim import init_optimizer_state
 
 MOUNTS = """\
 /dev/sda1 / ext4 rw,relatime 0 0
@@ -82,7 +83,7 @@ def test_two_torchrun_nodes_with_a_local_ckpt_dir_stop_before_training(tiny_cach
 
 
 def test_fine_tuning_on_two_hosts_refuses_a_local_run_folder(tmp_path, monkeypatch):
-    """Issue 65, item 3, in this process: a Finetuner whose runtime spans two hosts refuses a local
+    """In this process: a Finetuner whose runtime spans two hosts refuses a local
     `out` by name before it reads the checkpoint."""
     from evals import finetune
     from evals.config import FinetuneConfig
@@ -97,7 +98,7 @@ def test_fine_tuning_on_two_hosts_refuses_a_local_run_folder(tmp_path, monkeypat
 
 @pytest.mark.slow  # two torchrun processes (about 11 s on 2 cores): the heavy lane; the test above is the quick one
 def test_two_torchrun_nodes_refuse_a_local_fine_tuning_folder(tmp_path):
-    """Issue 65, item 3: fine-tuning, like pretraining, refuses a local run folder on two nodes,
+    """Fine-tuning, like pretraining, refuses a local run folder on two nodes,
     naming its key (`out`): only rank 0 saves, so the other node could read no finished model and a
     resume would start the nodes at different epochs. It refuses before reading the checkpoint."""
     port = free_port()

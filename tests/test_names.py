@@ -1,4 +1,4 @@
-"""One name per thing (issue 26, defect 10): no public top-level function or class name is
+"""One name per thing: no public top-level function or class name is
 defined in two modules of the project, so `load_encoder` or `labelled_rows` means one thing
 wherever it is read. Entry points every stage module has by convention are allowed."""
 import ast

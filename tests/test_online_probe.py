@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_train_args, train_here
+from conftest import run_here, tiny_train_args, train_here
 
 from octfm import config
 from evals import features
@@ -75,7 +75,7 @@ def test_online_features_are_the_offline_extractors(tiny_cache, tmp_path):
 def test_run_logs_the_probe_at_step_0_and_every_eval_every_and_shows_it(tiny_cache, tmp_path):
     args = tiny_train_args(tiny_cache, tmp_path, name="p", max_steps=4, eval_every=2,
                            **{"online_probe.max_train": 6, "online_probe.k": 3})
-    r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", *args)
+    r = run_here("train.pretrain", "--config", "configs/pretrain_smoke.yaml", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ridge_diabetic=" in r.stderr and "ridge_study_group=" in r.stderr  # the progress line
     probe = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
 """pyproject.toml's Python floor is the one its dependencies need, and the `tpu` extra installs
-beside the base dependencies on it (issue 39: a TPU VM image with Python 3.10 cannot install
+beside the base dependencies on it (a TPU VM image with Python 3.10 cannot install
 zarr >= 3.1, so the recipe brings its own Python)."""
 import importlib.metadata as md
 import sys

@@ -63,7 +63,7 @@ def test_activation_formulas_match_what_autograd_keeps(precision):
         stem_out = shp.stem[-1] * shp.voxels // 4
         got -= 2 * stem_out * (4 - 2)
     # float32 keeps no cast copies: the count is all but exact (the predictor's final-norm input, the whole
-    # sequence's storage, was under-counted by 0.06% before stop 51); bf16 within autocast's copies
+    # sequence's storage, was once under-counted by 0.06%); bf16 within autocast's copies
     assert got == pytest.approx(want, rel=2e-4 if precision == "fp32" else 0.03), (got, want)
 
 

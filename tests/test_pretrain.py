@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, guard_driver, run_cli, same_optimizer, same_weights, tiny_train_args
+from conftest import REPO, guard_driver, run_cli, run_here, same_optimizer, same_weights, tiny_train_args
 
 from octfm import config
 from train import checkpoint, data, guard, pretrain, runtime, schedule, startup
 from train.config import OptimConfig, TrainConfig
-from train.step import GUARD_PATHS, guarded_step
+from train.optim import GUARD_PATHS, guarded_step
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
@@ -221,7 +221,7 @@ def test_killed_run_resumes_bit_for_bit(tiny_cache, tmp_path):
     assert sorted(p.name for p in ckdir.glob("step_*.pt")) == [f"step_{s:07d}.pt" for s in range(5, 31, 5)]
 
 
-@pytest.mark.slow  # about 24 s on 2 cores (stop 53: make test at its 7 minutes): the heavy lane, beside the other torchrun tests
+@pytest.mark.slow  # about 24 s on 2 cores (make test at its time): the heavy lane, beside the other torchrun tests
 def test_two_process_ddp_matches_one_process(tiny_cache, tmp_path):
     one = tiny_train_args(tiny_cache, tmp_path / "one", name="d", max_steps=3, global_batch=4)
     r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *one)
@@ -262,7 +262,7 @@ def test_update_guard_lockout_stops_the_run_naming_step_and_checkpoint(tiny_cach
     skipped updates the run stops with status 1, naming the step and the newest checkpoint."""
     args = tiny_train_args(tiny_cache, tmp_path, name="lock", max_steps=20, ckpt_every=2,
                            **{"optim.spike_factor": 1e-6, "optim.max_consecutive_skips": 3})
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *args)
+    r = run_here("train.pretrain", "--config", SMOKE, "--no-progress", *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     ckpts = tmp_path / "lock" / "checkpoints"
@@ -315,7 +315,10 @@ def wandb_records(path) -> list:
     return out
 
 
-def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(tiny_run):
+def test_wandb_offline_run_has_the_jsonl_names_the_config_and_checkpoints(wandb_run):
+    """The tiny run with W&B offline, as `make pretrain` starts it: W&B holds metrics.jsonl's records under
+    the same names, the run's config and each checkpoint as an artifact."""
+    tiny_run = wandb_run
     files = list((tiny_run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
     recs = wandb_records(files[0])
@@ -410,7 +413,7 @@ def test_startup_dates_the_loader_workers_start(tmp_path):
 
 @pytest.mark.parametrize("broken", ["proc", "boottime"])
 def test_a_worker_starts_where_its_start_cannot_be_dated(tmp_path, monkeypatch, broken):
-    """Issue 65, item 6: a system without /proc (or CLOCK_BOOTTIME) must not stop a loader worker
+    """A system without /proc (or CLOCK_BOOTTIME) must not stop a loader worker
     over a diagnostic: note_worker_start returns, and notes nothing it could not date."""
     import builtins
 
@@ -499,7 +502,7 @@ def test_the_process_server_preloads_what_our_main_module_imported(monkeypatch, 
 def test_workers_of_a_python_m_main_start_without_runpy_warnings(tmp_path):
     """`python -m ingest.synth` with its process pool (64 participants and up): each forkserver
     worker runs the main module again; with the main module preloaded by its name runpy warned
-    "found in sys.modules" once per worker (15 times per loader on the H200, stop 50)."""
+    "found in sys.modules" once per worker (15 times per loader on the H200)."""
     r = subprocess.run([sys.executable, "-m", "ingest.synth", "--out", str(tmp_path / "s"), "--participants", "64",
                         "--scale", "16", "--no-bad-files", "--unlabeled", "0"], cwd=REPO, capture_output=True, text=True,
                        timeout=300)

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -6,7 +7,6 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, roc_auc_score
 
-from conftest import tiny_train_args, train_here
 from evals import probe
 from evals import probe_metrics as pm
 from octfm import config
@@ -80,10 +80,11 @@ def test_paired_difference_resamples_participants_together():
 
 
 @pytest.fixture(scope="module")
-def signal_run(signal_cache, tmp_path_factory):
-    """A checkpoint from a 2-step pretraining run on the planted-signal cache."""
+def probe_run(signal_run, tmp_path_factory):
+    """This module's copy of the session's 2-step run on the planted-signal cache (the probes write their
+    reports and features into the run): the folder holding runs/p."""
     root = tmp_path_factory.mktemp("probe")
-    train_here(*tiny_train_args(signal_cache, root / "runs", name="p", max_steps=2, ckpt_every=2))
+    shutil.copytree(signal_run, root / "runs" / "p")
     return root
 
 
@@ -96,8 +97,8 @@ def _score(res, encoder, head):
     return next(p["test"]["balanced_accuracy"] for p in res["probes"] if p["encoder"] == encoder and p["head"] == head)
 
 
-def test_planted_signal_is_found_and_features_are_reused(signal_run):
-    out = probe.run(_cfg(signal_run))
+def test_planted_signal_is_found_and_features_are_reused(probe_run):
+    out = probe.run(_cfg(probe_run))
     assert out["features_reused"] == {"pretrained": False, "random_init": False}
     sg, dia = out["results"]["study_group"], out["results"]["diabetic"]
     assert _score(sg, "pretrained", "linear") > 0.5 and _score(sg, "pretrained", "attentive") > 0.5  # chance 0.25
@@ -105,7 +106,7 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
     assert _score(sg, "none", "majority_class") == pytest.approx(0.25)
     ba = next(p for p in sg["probes"] if p["head"] == "linear")["test"]["balanced_accuracy_ci95"]
     assert ba[0] > 0.25
-    task_dir = signal_run / "runs" / "p" / "probe" / "study_group"
+    task_dir = probe_run / "runs" / "p" / "probe" / "study_group"
     for name in ("metrics.json", "report.md", "confusion.png", "roc.png"):
         assert (task_dir / name).stat().st_size > 0
     metrics = json.loads((task_dir / "metrics.json").read_text())
@@ -116,26 +117,26 @@ def test_planted_signal_is_found_and_features_are_reused(signal_run):
     assert len(test_devices) >= 2 and test_devices <= {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton",
                                                        "zeiss_cirrus"}
     assert metrics["cross_device"] and all(set(row) == test_devices for row in metrics["cross_device"].values())
-    feats = sorted((signal_run / "runs" / "p" / "probe" / "features").glob("*.npz"))
+    feats = sorted((probe_run / "runs" / "p" / "probe" / "features").glob("*.npz"))
     mtimes = [f.stat().st_mtime_ns for f in feats]
-    again = probe.run(_cfg(signal_run, cross_device=False))
+    again = probe.run(_cfg(probe_run, cross_device=False))
     assert again["features_reused"] == {"pretrained": True, "random_init": True}
     assert [f.stat().st_mtime_ns for f in feats] == mtimes
 
 
-def test_random_init_draws_are_encoders_of_their_own_init_seeds(signal_run):
+def test_random_init_draws_are_encoders_of_their_own_init_seeds(probe_run):
     """`baseline_draws` (docs/recipe.md, Probes): random-init encoders drawn with init seeds seed + 1, + 2,
     each extracted and probed under its own name, the first keeping the name it had alone."""
-    cfg = _cfg(signal_run, cross_device=False, per_device=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
+    cfg = _cfg(probe_run, cross_device=False, per_device=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
     out = probe.run(cfg)
     assert set(out["features_reused"]) == {"pretrained", "random_init", "random_init_2"}
     assert {p["encoder"] for p in out["results"]["diabetic"]["probes"]} == {"pretrained", "random_init",
                                                                            "random_init_2", "none"}
-    f = probe.checkpoint_features(cfg, out["ckpt"], signal_run / "runs" / "p" / "probe")
+    f = probe.checkpoint_features(cfg, out["ckpt"], probe_run / "runs" / "p" / "probe")
     assert all(f["reused"].values()) and probe.random_draws(f["feats"]) == ["random_init", "random_init_2"]
     assert not np.allclose(f["feats"]["random_init"]["pooled"], f["feats"]["random_init_2"]["pooled"])
     with pytest.raises(config.ConfigError, match="baseline_draws"):
-        _cfg(signal_run, baseline_draws=0)
+        _cfg(probe_run, baseline_draws=0)
 
 
 def test_encoders_read_in_one_pass_get_the_features_each_gets_alone(tiny_cache, tmp_path, monkeypatch):
@@ -221,8 +222,8 @@ def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["ka.npz", "kb.npz"]   # the parts are gone
 
 
-def test_shuffled_labels_stay_at_chance(signal_run):
-    out = probe.run(_cfg(signal_run, shuffle_labels=True, cross_device=False, baselines=False))
+def test_shuffled_labels_stay_at_chance(probe_run):
+    out = probe.run(_cfg(probe_run, shuffle_labels=True, cross_device=False, baselines=False))
     assert _score(out["results"]["study_group"], "pretrained", "linear") < 0.45
     assert _score(out["results"]["diabetic"], "pretrained", "linear") < 0.7
 
@@ -265,7 +266,7 @@ def test_token_heads_find_two_marked_tokens_among_72_and_not_a_shuffled_label(ki
 
 
 def test_standardised_heads_read_a_channel_whatever_its_scale():
-    """Decision 21: with `standardize` every channel is scaled by the training rows' statistics, so a
+    """With `standardize` every channel is scaled by the training rows' statistics, so a
     head's predictions do not change when one channel is multiplied by 1,000 and another shifted;
     without it they do (the heads' per-token LayerNorm alone is not per-channel)."""
     from evals import probe_heads
@@ -340,7 +341,7 @@ def test_a_channel_constant_in_training_is_left_unscaled():
 
 
 def test_min_steps_trains_few_rows_for_more_epochs(monkeypatch):
-    """Decision 32: with `min_steps` a head on few rows trains that many optimizer steps (more
+    """With `min_steps` a head on few rows trains that many optimizer steps (more
     epochs), one on many rows its `epochs` as before; 0 leaves `epochs` alone. Counted on the
     optimizer itself, and the config key is what reaches it."""
     from evals import probe_heads
@@ -420,7 +421,7 @@ def test_a_fit_scales_and_norms_its_rows_once_as_each_batch_would(kind):
 
 
 def test_a_checkpoints_weights_and_identity_come_from_one_file(tmp_path, monkeypatch):
-    """Issue 65, item 4: latest.pt is resolved once. A save that lands between reading the weights
+    """latest.pt is resolved once. A save that lands between reading the weights
     and naming them (`make probe CKPT=.../latest.pt` while training runs) must not record step 1's
     weights under step 2's name."""
     from evals import features

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_here
 from ingest import phantom
 from manifests import schema
 from octfm import fsio
@@ -68,9 +68,9 @@ def data_uri_pngs(html: str) -> list[Image.Image]:
 
 
 @pytest.mark.slow  # headless chromium, about 14 s: the heavy lane; make test keeps the report's own checks
-def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, tiny_run, tmp_path):
+def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, wandb_run, tmp_path):
     out = tmp_path / "report.html"
-    r = run_cli("report", "--cache", str(qc_cache), "--run", str(tiny_run), "--out", str(out), "--no-progress")
+    r = run_cli("report", "--cache", str(qc_cache), "--run", str(wandb_run), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]
     unreadable = int(re.search(r"(\d+) sources unreadable", summary).group(1))
@@ -79,7 +79,7 @@ def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, ti
     # self-contained: no scripts, stylesheets or remote references; every image a PNG data URI
     assert "<script" not in html and "<link" not in html and "http://" not in html and "https://" not in html
     pngs = data_uri_pngs(html)
-    tasks = sorted(p.parent.name for p in (tiny_run / "probe").glob("*/metrics.json"))
+    tasks = sorted(p.parent.name for p in (wandb_run / "probe").glob("*/metrics.json"))
     assert tasks == ["diabetic", "study_group"]
     assert len(pngs) == 3 + 2 * len(tasks)  # montage, histograms, curves; confusion + ROC per task
     assert all(im.format == "PNG" and min(im.size) >= 200 for im in pngs)
@@ -127,7 +127,7 @@ def test_cache_only_report_goes_next_to_the_manifest_and_a_missing_cache_is_a_us
     assert r.returncode == 0, r.stderr[-2000:]
     html = (qc_cache / "report.html").read_text()
     assert "Run:" not in html and len(data_uri_pngs(html)) == 2
-    r = run_cli("report", "--cache", str(tmp_path / "nowhere"), "--no-progress")
+    r = run_here("report.page", "--cache", str(tmp_path / "nowhere"), "--no-progress")
     assert r.returncode == 2 and str(tmp_path / "nowhere") in r.stderr
 
 

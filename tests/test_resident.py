@@ -127,7 +127,7 @@ def _loads_resident(args, monkeypatch) -> bool:
 
 
 def test_a_resume_keeps_the_path_its_run_took(tiny_cache, tmp_path, monkeypatch):
-    """Issue 65, item 2: the two paths draw different crops for one (seed, epoch, index), so `auto`
+    """The two paths draw different crops for one (seed, epoch, index), so `auto`
     resumes on the path the checkpoint's run took (recorded there), whatever the free memory says
     now; `always` or `never`, set by hand, still decide, and say that the crops change."""
     from train import checkpoint, curves
@@ -149,7 +149,7 @@ def test_a_resume_keeps_the_path_its_run_took(tiny_cache, tmp_path, monkeypatch)
 
 
 def test_resident_always_on_xla_is_refused_naming_the_key():
-    """Issue 65, item 2: the resident crop is not built for XLA's sharded batches, so `always` there
+    """The resident crop is not built for XLA's sharded batches, so `always` there
     stops the run naming `data.resident` instead of being ignored, as does a resume of a resident
     run under `auto`."""
     from octfm import cli
@@ -163,7 +163,7 @@ def test_resident_always_on_xla_is_refused_naming_the_key():
 
 
 def test_every_process_takes_one_resident_decision(tmp_path):
-    """Issue 65, item 2: `auto` reads each process's free memory; the run goes resident only when
+    """`auto` reads each process's free memory; the run goes resident only when
     every process's volumes fit (Runtime.all_true, an all-reduce), so no rank takes the other path."""
     import subprocess
     import sys

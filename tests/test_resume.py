@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port, run_cli, tiny_train_args, train_here
+from conftest import REPO, free_port, run_cli, run_here, tiny_train_args, train_here
 
 from octfm import cli, config
 from train import checkpoint, data, pretrain, runtime, shares
@@ -165,8 +165,8 @@ def test_a_position_the_new_batch_cannot_reach_is_refused(tiny_cache, tmp_path):
     msg = str(e.value)
     assert "global batch 2 on 1 process(es)" in msg and "global batch 4 on 1 process(es)" in msg
     assert "step_0000001.pt" in msg
-    r = run_cli("train.pretrain", "--config", SMOKE, "--no-progress", *tiny_train_args(tiny_cache, runs, max_steps=3,
-                                                                                      global_batch=4))
+    r = run_here("train.pretrain", "--config", SMOKE, "--no-progress", *tiny_train_args(tiny_cache, runs, max_steps=3,
+                                                                                       global_batch=4))
     assert r.returncode == 2 and "global batch 4" in r.stderr
 
 

@@ -22,7 +22,7 @@ def _files_containing(root: Path, needles: list[str]) -> list[str]:
     return hits
 
 
-@pytest.mark.slow  # about 26 s on 2 cores (stop 53: make test over its 7 minutes): the heavy lane, which CI runs
+@pytest.mark.slow  # about 26 s on 2 cores (make test over its time): the heavy lane, which CI runs
 def test_credentials_never_reach_logs_manifests_or_run_files(synth_tree, s3_server, tiny_cache, tmp_path, no_ca_bundle):
     upload_tree(s3_server, "secret-bucket", synth_tree)
     # W&B's own data, cache and config folders go under tmp_path too, so the scan below sees them

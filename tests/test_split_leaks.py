@@ -1,5 +1,5 @@
 """A participant whose volumes sit in two splits is a leak whatever the devices: a Spectralis volume
-in train and a Triton one in test still put one person on both sides (issue 75, item 4). The leak is
+in train and a Triton one in test still put one person on both sides. The leak is
 planted across devices only, each (participant, device) within one split, so a check grouping by
 (participant, device) misses it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training step as an accelerator runs it (issue 62): no read back to the host inside a
+"""The training step as an accelerator runs it: no read back to the host inside a
 steady step, one graph for dynamo (encoder, predictor and loss, with the attention routed as
 on CUDA), and a bf16 residual stream under autocast."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from octfm import config
 from train import attention, data, pretrain, runtime
 from train.config import TrainConfig
 from train.model import target_features
-from train.step import ema_update, set_scalar
+from train.ema import ema_update
+from train.schedule import set_scalar
 
 SMOKE = "configs/pretrain_smoke.yaml"
 
@@ -148,14 +149,19 @@ def one_graph_nodes(fn, *args) -> int:
     raise AssertionError("the backend was never called")
 
 
-def model_step(config_path: str, batch: int = 1):
+# the same blocks at the config's widths and shapes, fewer of them: a block traces (and runs) alike at any depth
+SHALLOW = ("model.depth=2", "model.pred_depth=1")
+TINY = (*SHALLOW, "model.dim=32", "model.heads=2", "model.pred_dim=16", "model.pred_heads=2")
+
+
+def model_step(config_path: str, batch: int = 1, overrides=()):
     """(step function, its arguments) for a config's student and target at its crop: normalise
     the uint8 batch, the EMA encoder's targets and the student's loss over every mask set, under
     bf16 autocast (as on CUDA), on random mask ids of the calibrated fixed sizes."""
     from train import masks
     from train.model import JEPA, Encoder
 
-    cfg = config.load(TrainConfig, config_path)
+    cfg = config.load(TrainConfig, config_path, list(overrides))
     torch.manual_seed(0)
     grid = masks.grid_for(cfg.data.input_shape, cfg.model.tubelet)
     student = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
@@ -189,17 +195,21 @@ def routed_as_cuda(monkeypatch):
     attention._FUSED_ONLY = False
 
 
-@pytest.mark.parametrize("config_path", ["configs/pretrain_check_gpu.yaml", "configs/pretrain_multi_domain.yaml"])
-def test_the_step_traces_as_one_graph(config_path, routed_as_cuda):
+@pytest.mark.parametrize("config_path, depth", [
+    pytest.param("configs/pretrain_check_gpu.yaml", SHALLOW, id="check_gpu"),
+    pytest.param("configs/pretrain_multi_domain.yaml", SHALLOW, id="production"),
+    pytest.param("configs/pretrain_multi_domain.yaml", (), marks=pytest.mark.slow, id="production_full_depth")])
+def test_the_step_traces_as_one_graph(config_path, depth, routed_as_cuda):
     """Encoder, predictor, targets and loss in one dynamo graph, no break, at the GPU-size check's
-    and the production config's shapes: what `compile: true` compiles."""
-    step, args = model_step(config_path)
+    and the production config's widths and shapes: what `compile: true` compiles. The light lane traces
+    two encoder blocks and one predictor block (the blocks repeat); the heavy lane the whole depth."""
+    step, args = model_step(config_path, overrides=depth)
     assert one_graph_nodes(step, *args) > 100
 
 
 def test_a_graph_break_is_caught(routed_as_cuda):
     """The tracer above fails on a break (a host read inside the step), so it can fail."""
-    step, args = model_step("configs/pretrain_check_gpu.yaml")
+    step, args = model_step("configs/pretrain_check_gpu.yaml", overrides=TINY)
 
     def broken(*a):
         loss = step(*a)
@@ -219,7 +229,7 @@ def test_the_residual_stream_and_the_norms_stay_bf16_under_autocast():
     anyway; CUDA's runs norms in float32, which tests/test_cuda.py checks the model avoids there."""
     from train.model import LayerNorm
 
-    step, (x, aug, pairs) = model_step("configs/pretrain_check_gpu.yaml", batch=2)
+    step, (x, aug, pairs) = model_step("configs/pretrain_check_gpu.yaml", batch=2, overrides=TINY)
     student = step.__closure__[[c.cell_contents.__class__.__name__ for c in step.__closure__].index("JEPA")].cell_contents
     seen = []
 

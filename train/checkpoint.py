@@ -175,6 +175,19 @@ def identity(uri: str) -> dict:
     return {"name": posixpath.basename(path), "size": int(info.get("size") or 0), "modified": str(_store_time(info))}
 
 
+def to_cpu(obj):
+    """A state dict tree with every tensor copied to the CPU (checkpoints load on any device).
+    Always a copy, a CPU tensor too (.cpu() would return that very tensor): a checkpoint is
+    written in the background while training changes its tensors in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def write(state: dict, uri: str) -> None:
     """One checkpoint file at `uri`, atomically (e.g. a fine-tuning run's best.pt), with its
     `format`. Encoded straight into the file: no second copy of the state in memory."""
@@ -306,7 +319,7 @@ def _rescanned(ckpt_dir: str, scan):
 class Writer:
     """Saves on a thread of its own, one at a time, so training goes on while a state (about
     1.5 GB at ViT-B) is encoded and written. The state handed over must be a copy training
-    cannot change (train/step.py to_cpu). A write's error is raised, naming its file, by the
+    cannot change (to_cpu). A write's error is raised, naming its file, by the
     next submit, poll or wait; `done(path)` runs on the caller's thread once the file exists."""
 
     def __init__(self):

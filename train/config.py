@@ -78,29 +78,21 @@ class MaskConfig:
     sets: list[MaskSetConfig] = dataclasses.field(default_factory=lambda: [
         MaskSetConfig(blocks=8, scale=(0.15, 0.15)), MaskSetConfig(blocks=2, scale=(0.7, 0.7))])
     calibration_samples: int = 256   # masks drawn at start-up to fix the token counts
-    # trimmed: the context is a fixed subsample of the visible cells, sized by the 90th percentile
-    # of the masked area (the rest of the visible cells is dropped); padded: every visible cell
-    # is context, padded to the largest possible count and masked out of attention
-    context: Literal["trimmed", "padded"] = "trimmed"
 
 
 @dataclasses.dataclass
 class LossConfig:
     """The terms of the pretraining loss and their weights (docs/recipe.md, The objective)."""
-    # Weight of the latent prediction (V-JEPA's term). 0 leaves only the local term: an ablation
-    # that says what the latent prediction adds (the predictor then gets zero gradients).
-    latent: float = 1.0
-    # Weight of the local term: each context token's output also reconstructs (one linear head,
-    # L1) the mean of its own tubelet's voxels in each cell of `local_cell` (the speckle averaged
+    # Weight of the local term, beside V-JEPA's latent prediction (weight 1): each context token's output
+    # also reconstructs (one linear head, L1) the mean of its own tubelet's voxels in each cell of `local_cell` (the speckle averaged
     # over the cell, where a lesion wider than a voxel still shifts it), so the encoder must keep
     # small detail that a latent target may drop. 0: off, and the model has no such head.
     local: float = 1.0
     local_cell: tuple[int, int, int] = (2, 4, 4)
 
     def __post_init__(self):
-        if self.latent < 0 or self.local < 0 or self.latent + self.local == 0:
-            raise FieldError("latent", f"{self.latent:g} with loss.local {self.local:g}: the weights must be "
-                                       f"at least 0 and not both 0 (the loss would have no term)")
+        if self.local < 0:
+            raise FieldError("local", f"{self.local:g}: the weight must be at least 0")
 
 
 @dataclasses.dataclass
@@ -177,7 +169,7 @@ class TrainConfig:
             raise FieldError("chip_batch", f"{self.chip_batch}: needs at least 1 (or null: no cap)")
 
 
-BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut (4ac2cad): it reads what earlier code wrote
+BEFORE_V1_TAG = "results-2026-12"  # the last commit before the v1 cut: it reads what earlier code wrote
 
 
 def before_v1(what: str) -> str:
@@ -192,6 +184,24 @@ def _key_paths(d: dict, prefix: str = "") -> set[str]:
     out: set[str] = set()
     for k, v in d.items():
         out |= _key_paths(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+    return out
+
+
+# Research settings removed from the trainer, with the one value it still runs: a checkpoint saved with
+# that value loads (the key dropped); one trained with another value is refused, naming the key
+RETIRED = {"mask.context": "trimmed", "loss.latent": 1.0}
+
+
+def _without_retired(saved: dict, uri: str) -> dict:
+    """`saved` less the RETIRED keys it holds at their value (a copy); another value is refused."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for path, value in RETIRED.items():
+        section, key = path.split(".")
+        if key in out.get(section, {}):
+            held = out[section].pop(key)
+            if held != value:
+                raise ConfigError(f"{uri}: a checkpoint trained with {path}={held!r}, a research setting this "
+                                  f"trainer no longer has (it runs {value!r}); read it with the octfm that trained it")
     return out
 
 
@@ -213,8 +223,9 @@ def saved_config(saved: dict, uri: str, world: int = 1) -> TrainConfig:
     per-process batch of earlier v1 runs is multiplied by: per_process_batch). A checkpoint saves
     every key (config.to_dict), so one whose keys differ from this TrainConfig's was written by
     older code: refused with the tag that reads it, never filled in with today's defaults (a
-    missing model.stem would build another encoder than the one whose weights it holds)."""
-    saved = per_process_batch(saved, world)
+    missing model.stem would build another encoder than the one whose weights it holds). A
+    RETIRED key at its value is dropped."""
+    saved = _without_retired(per_process_batch(saved, world), uri)
     have, want = _key_paths(saved), _key_paths(config.to_dict(TrainConfig()))
     if have != want:
         parts = [f"its config has {', '.join(sorted(have - want))}" if have - want else "",

@@ -1,11 +1,11 @@
-"""Training curves from metrics.jsonl as one PNG: loss, schedules, grad norm, collapse
-monitors, throughput, data wait and the online probe (the same figure in curves.png and in
-`make report`)."""
+"""Training curves as PNGs: pretraining's from metrics.jsonl (loss, schedules, grad norm, collapse
+monitors, throughput, data wait and the online probe; the same figure in curves.png and in
+`make report`), and a fine-tuning run's train loss and val score per epoch."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from octfm.plots import pyplot, to_png
+from octfm.plots import pyplot, save_png, to_png
 from train.metrics import read_splits
 from train.run_folder import RunFolder
 
@@ -63,3 +63,22 @@ def plot_metrics(run_dir: str | Path) -> Path | None:
     out = RunFolder(run_dir).curves
     out.write_bytes(png)
     return out
+
+
+def plot_history(history: list[dict], path: Path, title: str) -> None:
+    """A fine-tuning run's train loss and val balanced accuracy per epoch (evals/finetune.py)."""
+    if not history:
+        return
+    plt = pyplot()
+    ep = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(ep, [h["loss"] for h in history], "o-")
+    a.set_title("train loss (epoch mean)")
+    b.plot(ep, [h["balanced_accuracy"] for h in history], "o-")
+    b.set_title("val balanced accuracy")
+    for ax in (a, b):
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_png(fig, path, dpi=80)

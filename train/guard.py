@@ -1,6 +1,6 @@
 """The update guard (docs/recipe.md, Optimisation): an update whose loss or gradient norm is not
 finite, or (pretraining) whose loss exceeds spike_factor x the running mean of accepted losses, is
-skipped, leaving weights, optimizer state and EMA target exactly as they were (train/step.py
+skipped, leaving weights, optimizer state and EMA target exactly as they were (train/optim.py
 guarded_step). Its state is three device scalars, read on the host only where the loop already
 syncs, and saved in every checkpoint.
 """
@@ -45,7 +45,7 @@ class UpdateGuard:
         self.skip_run.copy_((self.skip_run + 1.0) * skipped)
 
     def state(self) -> dict:
-        """The checkpoint's keys (device tensors: the caller copies them, train/step.py to_cpu)."""
+        """The checkpoint's keys (device tensors: the caller copies them, checkpoint.to_cpu)."""
         return {"loss_mean": self.loss_mean, "skipped_updates": self.skipped, "consecutive_skips": self.skip_run}
 
     def load_state(self, st: dict) -> None:

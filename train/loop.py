@@ -14,7 +14,8 @@ from tqdm import tqdm
 from octfm import config, fsio
 from train import checkpoint, metrics, runtime
 from train.guard import UpdateGuard
-from train.step import set_scalar, xla_compiles
+from train.metrics import xla_compiles
+from train.schedule import set_scalar
 
 
 class TrainLoop:

@@ -4,9 +4,8 @@ Blocks are rectangles in the en-face plane (frames x columns) that span the full
 depth. Each mask set has its own blocks, context and target. Token counts are fixed per
 config (calibrated once from the block distribution), so every step has the same shapes and
 XLA compiles once: unions smaller than the target count get extra blocks, and targets are
-subsampled to their fixed size. The context is either trimmed (a fixed-size subsample of the
-visible cells; unions leaving too little are handed cells back) or padded (every visible cell,
-padded to the largest possible count, with a validity mask the attention honours).
+subsampled to their fixed size. The context is a fixed-size subsample of the visible cells
+(unions leaving too little are handed cells back).
 """
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class SetSize:
 
 def calibrate(grid: Grid, cfg: MaskConfig, seed: int = 12345) -> list[SetSize]:
     """Fixed cell counts per mask set: target = 10th percentile of the union size; context = cells
-    left by the 90th percentile (trimmed) or all cells but the target (padded: the most a union of
-    at least the target's size can leave); at least one cell each."""
+    left by the 90th percentile; at least one cell each."""
     rng = np.random.default_rng(seed)
     sizes = []
     for s in cfg.sets:
@@ -83,8 +81,6 @@ def calibrate(grid: Grid, cfg: MaskConfig, seed: int = 12345) -> list[SetSize]:
         tgt = min(tgt, grid.cells - ctx)
         if tgt < 1:
             raise ValueError(f"mask set {s}: the grid {grid} is too small for a context and a target")
-        if cfg.context == "padded":
-            ctx = grid.cells - tgt
         sizes.append(SetSize(tgt, ctx))
     return sizes
 
@@ -98,9 +94,9 @@ def _cells_to_tokens(grid: Grid, cells: np.ndarray) -> np.ndarray:
 
 
 def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.random.Generator):
-    """For each mask set: (context token ids, target token ids, blocks, context
-    validity), fixed lengths. Validity is None for a trimmed context (every id is real) and a bool
-    vector for a padded one (padding repeats the first context id and is False)."""
+    """For each mask set: (context token ids, target token ids, blocks, context validity), fixed
+    lengths. The validity is None: every id is real (the model and the attention take a key mask
+    for a context with padding slots, `valid`)."""
     out = []
     for s, size in zip(cfg.sets, sizes, strict=True):
         blocks = [sample_block(grid, s, rng) for _ in range(s.blocks)]
@@ -110,9 +106,6 @@ def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.rand
             union = _union(grid, blocks)
         masked = np.flatnonzero(union.reshape(-1))
         free = np.flatnonzero(~union.reshape(-1))
-        if cfg.context == "padded":
-            out.append(_padded(grid, size, masked, free, blocks, rng))
-            continue
         excess = size.context_cells - len(free)
         if excess > 0:  # too little context: hand some masked cells back
             back = rng.choice(masked, size=excess, replace=False)
@@ -121,16 +114,3 @@ def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.rand
         ctx = rng.choice(free, size=size.context_cells, replace=False)
         out.append((_cells_to_tokens(grid, ctx), _cells_to_tokens(grid, tgt), blocks, None))
     return out
-
-
-def _padded(grid: Grid, size: SetSize, masked: np.ndarray, free: np.ndarray, blocks, rng: np.random.Generator):
-    """Every visible cell as context (a masked cell that is no target when none is visible),
-    padded to the fixed count."""
-    tgt = rng.choice(masked, size=size.target_cells, replace=False)
-    if len(free) == 0:
-        free = rng.choice(np.setdiff1d(masked, tgt), size=1)
-    ctx = _cells_to_tokens(grid, free)
-    n = size.context_cells * grid.depth
-    valid = np.zeros(n, dtype=bool)
-    valid[:len(ctx)] = True
-    return np.concatenate([ctx, np.full(n - len(ctx), ctx[0])]), _cells_to_tokens(grid, tgt), blocks, valid

@@ -1,4 +1,5 @@
-"""Collapse monitors and the metrics sink (metrics.jsonl always, W&B from rank 0 when enabled)."""
+"""Collapse monitors, the XLA compilation count, and the metrics sink (metrics.jsonl always, W&B from rank 0
+when enabled)."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,15 @@ def feature_std(features: torch.Tensor) -> float:
     """Mean over channels of the std across samples and tokens (near 0 means collapse)."""
     f = features.reshape(-1, features.shape[-1]).float()
     return float(f.std(dim=0).mean())
+
+
+def xla_compiles() -> dict:
+    """Compilation count and seconds so far (torch_xla.debug.metrics), for metrics.jsonl."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    count, total = (data[0], data[1]) if data else (0, 0.0)
+    return {"xla_compiles": int(count), "xla_compile_s": round(total / 1e9, 3)}
 
 
 def read_splits(run_dir: str | Path) -> dict[str, dict[int, dict]]:

@@ -280,18 +280,15 @@ def local_cells(x: torch.Tensor, tubelet, cell) -> torch.Tensor:
 def objective(loss: LossConfig) -> str:
     """The pretraining objective in words, for run summaries, exported config.json and model
     cards: a run with the local term is not plain V-JEPA and must not be called so."""
-    on = [(n, w) for n, w in (("V-JEPA latent prediction", loss.latent),
-                              ("local intensity term (tubelet mean cells)", loss.local)) if w > 0]
-    text = " + ".join(n for n, _ in on) + ("" if loss.latent > 0 else " only (no latent prediction)")
-    if on == [("V-JEPA latent prediction", 1.0)]:
-        return text
-    return f"{text}, weight{'s' if len(on) > 1 else ''} " + " / ".join(f"{w:g}" for _, w in on)
+    if loss.local == 0:
+        return "V-JEPA latent prediction"
+    return f"V-JEPA latent prediction + local intensity term (tubelet mean cells), weights 1 / {loss.local:g}"
 
 
 class JEPA(nn.Module):
     """The trained student: context encoder + predictor. The loss for each mask set is
-    `loss.latent` x the L1 between predictions and the target encoder's layer-normed features
-    at the target tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
+    the L1 between predictions and the target encoder's layer-normed features at the target
+    tokens, plus (with `loss.local` > 0) `loss.local` x the L1 of a linear head
     reading each context token's own tubelet cells (`local_cells`) from its output."""
 
     def __init__(self, cfg: ModelConfig, input_shape, loss: LossConfig | None = None):
@@ -315,7 +312,7 @@ class JEPA(nn.Module):
             ctx = self.encoder.transform(tokens, ctx_idx, ctx_valid)
             pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
             tgt = gather_tokens(targets, tgt_idx)
-            loss = self.loss.latent * (pred.float() - tgt.float()).abs().mean()
+            loss = (pred.float() - tgt.float()).abs().mean()
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
                 loss = loss + self.loss.local * context_mean(err, ctx_valid)

@@ -25,7 +25,10 @@ from train.loop import TrainLoop
 from train.model import JEPA, objective, target_features
 from train.run_folder import RunFolder
 from train.startup import Startup
-from train.step import build_optimizer, compile_modules, ema_update, guarded_step, load_optimizer, to_cpu
+from train.checkpoint import to_cpu
+from train.ema import ema_update
+from train.optim import build_optimizer, guarded_step, load_optimizer
+from train.runtime import compile_modules
 
 
 class Trainer(TrainLoop):

@@ -224,6 +224,16 @@ def _batch_sharding(mesh, ranks: dict[str, int]) -> dict:
     return {k: xs.ShardingSpec(mesh, ("data",) + (None,) * (n - 1), minibatch=multi_host) for k, n in ranks.items()}
 
 
+def compile_modules(*modules: torch.nn.Module) -> None:
+    """torch.compile each module in place (inductor; state_dict keys unchanged, so checkpoints
+    load either way). Shapes are fixed per config, so a run compiles once per graph: the
+    training step, and each of validation's and the online probe's no-grad passes. The student
+    is compiled after the DDP wrap (Trainer.network): compiled around DDP, the backward is split
+    at its gradient buckets so the all-reduce overlaps it."""
+    for m in modules:
+        m.compile()
+
+
 def setup(kind: str = "auto", precision: str = "bf16") -> Runtime:
     """Choose the device and start the process group (torchrun's environment) if any."""
     if kind == "auto":

@@ -5,7 +5,8 @@ gives the value for k. Each takes the step as an int (logs, tests) or as a 0-dim
 the trainer keeps its step on the device and computes the values there, so a step copies
 nothing from the host (a copy from pageable memory waits for the CUDA stream) and torch_xla
 traces one graph for every step (Python scalars 0 and 1 would be baked into it: a warmup from
-0 or a momentum reaching 1 would recompile).
+0 or a momentum reaching 1 would recompile). `set_scalar` writes a host value (a resume's step) into
+that device clock.
 """
 from __future__ import annotations
 
@@ -47,3 +48,11 @@ def ema_momentum(step, total: int, cfg: OptimConfig):
     """Linear from ema[0] at the first update to ema[1] at the last (step total - 1)."""
     start, end = cfg.ema
     return start + (end - start) * _at_most_one(step / max(1, total - 1))
+
+
+def set_scalar(t: torch.Tensor, value: float) -> None:
+    """Write a host value into a device tensor as data, never as a graph constant. torch_xla
+    bakes the scalars 0 and 1 into graphs, 0-dim host tensors included (a momentum reaching 1
+    recompiled); copying a 1-element vector into a view is transferred as data (seen: no
+    recompilation for 0.5, 0.7, 1.0, 0.0)."""
+    t.view(1).copy_(torch.tensor([value], dtype=t.dtype))

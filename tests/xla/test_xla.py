@@ -180,10 +180,9 @@ def test_second_run_uses_the_persistent_compilation_cache(tiny_cache, tmp_path):
     assert rec[3]["xla_compile_s"] < first[3]["xla_compile_s"]
 
 
-def test_spmd_shards_the_padded_context(tiny_cache, tmp_path):
-    """mask.context=padded adds a validity tensor per mask set; under SPMD on four devices it is
-    sharded like the rest of the batch, and the losses match the CPU's."""
-    common = dict(max_steps=3, log_every=1, ckpt_every=3, global_batch=4, **{"mask.context": "padded"})
+def test_spmd_on_four_devices_matches_the_cpu(tiny_cache, tmp_path):
+    """Under SPMD on four devices every batch tensor is sharded, and the losses match the CPU's."""
+    common = dict(max_steps=3, log_every=1, ckpt_every=3, global_batch=4)
     run_train(tiny_train_args(tiny_cache, tmp_path / "cpu", name="p", **common), device="cpu")
     run_train(tiny_train_args(tiny_cache, tmp_path / "four", name="p", **common), devices=4, tmp_cache=tmp_path / "c4")
     ra, rb = records(tmp_path / "cpu" / "p"), records(tmp_path / "four" / "p")

@@ -1,5 +1,6 @@
-"""What keys the learning check's kept results: each is made afresh when the code it runs changes (its
-entry files' import closure), and reused otherwise."""
+"""The names of the learning check's kept results (its pretraining runs, fine-tuning folders, jobs): each
+name holds a key of the code that makes the result (its entry files' import closure), so an edit to that
+code makes it afresh and an edit elsewhere reuses it."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,7 @@ COHORT_CODE = ("ingest/synth.py",)
 PRETRAIN_CODE = ("train/pretrain.py", "cache/build.py")
 # a fine-tuning run's folder (a supervised reference's too: its from-scratch run) sits under its pretraining run
 # (keyed on PRETRAIN_CODE); its own training loop, head,
-# participants, config defaults, the probes' fit (its fitted start, head_init: probe), the start features, the val
+# participants, config defaults, the start features, the val
 # score that picks its best epoch and the labelled data key its name too, through what evals/finetune.py imports
 FINETUNE_CODE = ("evals/finetune.py",)
 # files an entry imports that make none of its results, each with why (none today: `make plan`, train/plan.py,

@@ -1,6 +1,7 @@
-"""The optimizer and the guarded update step: AdamW groups and flags per backend, loading an
-optimizer state saved on any backend, the EMA update, the update guard's three paths, and small
-device helpers. Pretraining (train/pretrain.py) and fine-tuning (evals/finetune.py) both step with it.
+"""The optimizer and its guarded step: AdamW's parameter groups and flags per backend, its state
+created before the first update and loaded from a checkpoint saved on any backend, and the update
+that leaves everything as it was when the update guard (train/guard.py) refuses it. Pretraining
+(train/pretrain.py) and fine-tuning (evals/finetune.py) both step with it.
 """
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import torch
 
 from train import runtime
 from train.config import TrainConfig
-from train.model import Encoder
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -64,57 +64,6 @@ def load_optimizer(opt: torch.optim.Optimizer, state: dict, lr: torch.Tensor | l
                 st = opt.state.get(p, {})
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
-
-
-def set_scalar(t: torch.Tensor, value: float) -> None:
-    """Write a host value into a device tensor as data, never as a graph constant. torch_xla
-    bakes the scalars 0 and 1 into graphs, 0-dim host tensors included (a momentum reaching 1
-    recompiled); copying a 1-element vector into a view is transferred as data (seen: no
-    recompilation for 0.5, 0.7, 1.0, 0.0)."""
-    t.view(1).copy_(torch.tensor([value], dtype=t.dtype))
-
-
-def to_cpu(obj):
-    """A state dict tree with every tensor copied to the CPU (checkpoints load on any device).
-    Always a copy, a CPU tensor too (.cpu() would return that very tensor): a checkpoint is
-    written in the background while training changes its tensors in place."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
-def xla_compiles() -> dict:
-    """Compilation count and seconds so far (torch_xla.debug.metrics), for metrics.jsonl."""
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    count, total = (data[0], data[1]) if data else (0, 0.0)
-    return {"xla_compiles": int(count), "xla_compile_s": round(total / 1e9, 3)}
-
-
-@torch.no_grad()
-def ema_update(target: Encoder, online: Encoder, momentum: torch.Tensor) -> None:
-    """target = m * target + (1 - m) * online, with m a device tensor, read on the device only.
-
-    CUDA and CPU: target += (online - target) * (1 - m) as three foreach ops over every parameter
-    (a few fused kernels, not a launch per tensor). `_foreach_lerp_` has no overload for a tensor
-    weight: a 0-dim tensor binds to its Scalar one, which reads the weight to the host (a device
-    sync every step). On a skipped update m is 1, the product is (+/-)0 and the target stays
-    exactly as it was. XLA: one lerp per tensor (torch_xla's foreach lerp reads a tensor weight
-    back to the host, which cut the step's graph in two)."""
-    w = 1.0 - momentum
-    targets, onlines = list(target.parameters()), [o.detach() for o in online.parameters()]
-    if w.device.type == "xla":
-        for t, o in zip(targets, onlines):
-            t.lerp_(o, w)
-        return
-    moves = torch._foreach_sub(onlines, targets)
-    torch._foreach_mul_(moves, w)
-    torch._foreach_add_(targets, moves)
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -183,13 +132,3 @@ def guarded_step(opt: torch.optim.Optimizer, ok: torch.Tensor, path: str | None 
             if torch.is_tensor(v):
                 prev = old_state[k] if k in old_state else torch.zeros_like(v)
                 torch.where(ok.to(v.device), v, prev, out=v)
-
-
-def compile_modules(*modules: torch.nn.Module) -> None:
-    """torch.compile each module in place (inductor; state_dict keys unchanged, so checkpoints
-    load either way). Shapes are fixed per config, so a run compiles once per graph: the
-    training step, and each of validation's and the online probe's no-grad passes. The student
-    is compiled after the DDP wrap (Trainer.network): compiled around DDP, the backward is split
-    at its gradient buckets so the all-reduce overlaps it."""
-    for m in modules:
-        m.compile()

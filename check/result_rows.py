@@ -1,6 +1,6 @@
-"""The learning check's rows from its encoders' features and fine-tuned probabilities: the headline, the
-label-efficiency curve, the supervised references, the held-out scanners and fine-tuning, each a paired
-comparison on the same test participants."""
+"""result.json's rows: from the learning check's encoders' features and fine-tuned probabilities, the
+headline, the label-efficiency curve, the supervised references, the held-out scanners and fine-tuning,
+each a paired comparison on the same test participants; and the pretraining's summary and online-probe curve."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ from octfm.procs import call_job, in_processes
 from train import checkpoint, metrics
 
 
-# what the label-efficiency rows select on (issue 40, item 10): said in result.json
+# what the label-efficiency rows select on: said in result.json
 SELECTION = ("at every label fraction the probes' grid, the head kind and early stopping select on the full val "
              "split (val labels beyond the fraction); no row selects on a val subset of the same fraction")
 
