@@ -12,7 +12,7 @@ import pytest
 from pydicom.data import get_testdata_file
 
 from cache import build, store
-from conftest import SMALL, assert_same_cache, run_cli, start_build
+from conftest import SMALL, assert_same_cache, run_cli, run_here, start_build
 from ingest import preprocess as prep
 from ingest import phantom, synth
 from manifests import schema
@@ -64,7 +64,7 @@ def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     lock.write_text(str(gone.pid))                         # a killed build's lock is taken over
-    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    r = run_here("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr
     assert f"taking over the lock of pid {gone.pid}" in r.stderr and not lock.exists()
     df = pd.read_parquet(cache / "manifest.parquet")
@@ -83,7 +83,7 @@ def test_bad_files_become_failed_rows_and_strict_exits_3(synth_tree, tmp_path):
     assert all(list(s) == [16, 48, 48] for s in ok["shape"])
     assert (ok.hi > ok.lo).all()
     assert "failure reason" in r.stdout and "total" in r.stdout
-    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", "--strict", *SMALL)
+    r = run_here("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", "--strict", *SMALL)
     assert r.returncode == 3
     assert "5 processed" in r.stdout  # failed rows are retried, ok ones reused
 
@@ -204,10 +204,10 @@ def test_shards_write_parts_that_read_back_as_one_table(synth_tree, tmp_path):
 
 def test_changed_parameters_redo_volumes(synth_tree, tmp_path):
     cache = tmp_path / "cache"
-    first = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
+    first = run_here("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress", *SMALL)
     assert first.returncode == 0 and re.search(r"\b0 reused, [1-9]\d* processed", first.stdout), first.stdout
-    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress",
-                "preprocess.target_shape=[8,32,32]")
+    r = run_here("cache.build", "--source", str(synth_tree), "--cache", str(cache), "--no-progress",
+                 "preprocess.target_shape=[8,32,32]")
     df = pd.read_parquet(cache / "manifest.parquet")
     assert r.returncode == 0 and re.search(r"\b0 reused", r.stdout), r.stdout
     assert all(list(s) == [8, 32, 32] for s in df[df.status == "ok"]["shape"])

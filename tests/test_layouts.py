@@ -7,7 +7,7 @@ import zipfile
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_here
 
 from cache import build as cache_build
 from cache import store
@@ -125,7 +125,7 @@ def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
     assert set(src.protocol) == set(protocols.PROTOCOLS)
     assert src.scan_pattern.notna().all()
     cache = tmp_path / "cache"
-    r = run_cli("cache.build", "--source", root, "--cache", str(cache), "--no-progress", "--strict", SHAPE)
+    r = run_here("cache.build", "--source", root, "--cache", str(cache), "--no-progress", "--strict", SHAPE)
     assert r.returncode == 0, r.stdout + r.stderr
     df = pd.read_parquet(cache / "manifest.parquet")
     assert (df.status != "failed").all() and df.protocol.notna().all() and df.scan_pattern.notna().all()
@@ -151,7 +151,7 @@ def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
 
 def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_ignores_them(tmp_path):
     root = tree(tmp_path, participants=4, protocols="all")
-    r = run_cli("cache.build", "--source", root, "--cache", str(tmp_path / "cache"), "--config", "configs/cache.yaml",
+    r = run_here("cache.build", "--source", root, "--cache", str(tmp_path / "cache"), "--config", "configs/cache.yaml",
                 "--no-progress", "--strict", SHAPE, "select.device=[topcon_triton,zeiss_cirrus]", "select.region=[macula]")
     assert r.returncode == 0, r.stdout[-2000:]        # skipped rows are not failures
     df = pd.read_parquet(tmp_path / "cache" / "manifest.parquet")

@@ -62,9 +62,12 @@ def test_hosts_count_nodes_not_processes(monkeypatch):
     assert not rt.collective_snapshot
 
 
+@pytest.mark.slow  # two torchrun launches (about 8 s): the heavy lane, beside the rehearsal's two gs:// nodes
 def test_two_torchrun_nodes_with_a_local_ckpt_dir_stop_before_training(tiny_cache, tmp_path):
     """Two torchrun 'nodes' on this machine (one process each, static rendezvous on loopback):
-    each sees two hosts, and both refuse the run folder's local checkpoints, naming the key."""
+    each sees two hosts, and both refuse the run folder's local checkpoints, naming the key. The light
+    lane keeps the rule (test_a_multi_host_run_with_a_local_ckpt_dir_is_refused) and the host count
+    (test_hosts_count_nodes_not_processes) in process."""
     port = free_port()
     args = tiny_train_args(tiny_cache, tmp_path / "runs", name="mh", max_steps=2)
     procs = []

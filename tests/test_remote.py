@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import SMALL, gcs_bucket, run_cli, s3_env, upload_tree
+from conftest import SMALL, gcs_bucket, run_cli, run_here, s3_env, upload_tree
 
 from ome_zarr_models.v05.image import Image
 
@@ -82,7 +82,7 @@ def test_local_mirror_records_sha1_and_cache_catches_a_changed_file(synth_tree, 
     data[-100] ^= 0xFF  # same size, different content: rclone's size check cannot see it
     victim.write_bytes(bytes(data))
     cache = tmp_path / "cache"
-    r = run_cli("cache.build", "--source", str(dst), "--cache", str(cache), "--no-progress", *SMALL)
+    r = run_here("cache.build", "--source", str(dst), "--cache", str(cache), "--no-progress", *SMALL)
     assert r.returncode == 0
     df = pd.read_parquet(cache / "manifest.parquet")
     row = df[df.relpath.str.endswith(victim.name)].iloc[0]

@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import REPO, SMALL, gcs_bucket, run_cli
+from conftest import REPO, SMALL, gcs_bucket, run_cli, run_here
 
 from cache import store
 from ingest import synth
@@ -119,7 +119,7 @@ def test_damaged_archives_fail_only_their_own_members(zipped_tree, damaged_tree,
     assert r.returncode == 0, r.stderr
     assert "archive unreadable, its rows failed: retinal_oct/structural_oct/topcon_maestro2/part2.zip" in r.stdout
     assert "1 other member(s) ignored" in r.stdout and "README.txt" in r.stdout
-    r = run_cli("cache.build", "--source", str(root), "--cache", str(tmp_path / "cache"), "--no-progress", *SMALL)
+    r = run_here("cache.build", "--source", str(root), "--cache", str(tmp_path / "cache"), "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(tmp_path / "cache" / "manifest.parquet").set_index("relpath")
     ref = pd.DataFrame(build.build_sources(str(zipped_tree))[0]).set_index("relpath")
