@@ -439,17 +439,26 @@ def _build_wandb_run(cache: Path, root: Path) -> None:
                                                                 "wandb.log_checkpoints": "true"})
     r = run_cli("train.pretrain", "--config", "configs/pretrain_smoke.yaml", "--no-progress", *args, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    _probe_tiny(root)
 
 
 @pytest.fixture(scope="session")
 def wandb_run(request, tmp_path_factory) -> Path:
     """The tiny run (below) with W&B offline (checkpoints as artifacts), read-only and shared: the W&B test
-    and `make report`'s page read it. W&B starts its own service, so this run trains in a process of its
-    own, apart from the tiny run the other stages read (a worker needing that one does not wait on W&B).
-    W&B only where it is installed: the GPU machine's wheel folder has none."""
+    reads it. W&B starts its own service, so this run trains in a process of its own, apart from the tiny
+    run the other stages read (a worker needing that one does not wait on W&B). W&B only where it is
+    installed: the GPU machine's wheel folder has none."""
     cache = built_once(request, tmp_path_factory, "tiny_cache", _build_tiny_cache) / "cache"
     return built_once(request, tmp_path_factory, "wandb_run", lambda root: _build_wandb_run(cache, root)) / "runs" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def probed_wandb_run(request, tmp_path_factory, wandb_run) -> Path:
+    """wandb_run copied and probed (`make report`'s page shows both the W&B runs and the probes)."""
+    def build(root: Path) -> None:
+        shutil.copytree(wandb_run, root / "runs" / "tiny")
+        _probe_tiny(root)
+
+    return built_once(request, tmp_path_factory, "probed_wandb_run", build) / "runs" / "tiny"
 
 
 def _probe_tiny(root: Path) -> None:

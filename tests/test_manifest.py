@@ -175,12 +175,12 @@ def test_the_readme_pandas_lines_run_as_written(synth_tree, tmp_path):
     import subprocess
     import sys
 
-    from conftest import SMALL, run_cli
+    from conftest import SMALL, run_here
 
     (tmp_path / "data" / "demo").mkdir(parents=True)
     (tmp_path / "data" / "demo" / "gcs").symlink_to(synth_tree, target_is_directory=True)
-    r = run_cli("cache.build", "--source", str(synth_tree), "--cache", str(tmp_path / "data" / "cache"),
-                "--no-progress", *SMALL)
+    r = run_here("cache.build", "--source", str(synth_tree), "--cache", str(tmp_path / "data" / "cache"),
+                 "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr
     block = readme_pandas_block()
     lines = [line for line in block.splitlines() if line.strip()]

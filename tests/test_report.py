@@ -68,7 +68,8 @@ def data_uri_pngs(html: str) -> list[Image.Image]:
 
 
 @pytest.mark.slow  # headless chromium, about 14 s: the heavy lane; make test keeps the report's own checks
-def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, wandb_run, tmp_path):
+def test_report_renders_in_chromium_and_every_image_loads(chromium, qc_cache, probed_wandb_run, tmp_path):
+    wandb_run = probed_wandb_run
     out = tmp_path / "report.html"
     r = run_cli("report", "--cache", str(qc_cache), "--run", str(wandb_run), "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
