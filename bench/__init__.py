@@ -29,4 +29,4 @@ def card_batch(cfg) -> int:
     NODE_GPUS, train/batching.py): what a single-card measurement of the production step runs."""
     from train import batching
 
-    return batching.layout(cfg.global_batch, cfg.chip_batch, NODE_GPUS, NODE_GPUS).per_chip
+    return batching.split(cfg.global_batch, cfg.chip_batch, NODE_GPUS, NODE_GPUS).per_chip

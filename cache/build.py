@@ -26,7 +26,7 @@ from ingest import dicom
 from ingest import preprocess as prep
 from ingest import scan as scans
 from manifests import build as manifest_build
-from manifests import layout, schema
+from manifests import paths, schema
 from octfm import cli, config, fsio, procs
 
 # the preprocess keys a volume's bytes depend on (the decoder too: another one can change lossy pixels)
@@ -65,8 +65,8 @@ def load_sources(source: str, cache_root: str, seed: int = 0, tables: dict | Non
     One shard of several (`shards` > 1) keeps the stored file whatever the listing says now: every
     host must split the same rows, and a bucket that changed between two hosts' starts would
     otherwise give some files to two shards and others to none; it warns instead, naming the fix."""
-    uri = layout.sources_uri(cache_root)
-    stored = layout.read_sources(cache_root)
+    uri = paths.sources_uri(cache_root)
+    stored = paths.read_sources(cache_root)
     opts = manifest_build.sources_options(source, seed)
     same_root = stored is not None and _made_for(stored, opts["root"])
     if same_root:
@@ -107,12 +107,12 @@ def _changes(old: list[dict], new: list[dict]) -> str:
     return f"{len(b.keys() - a.keys())} rows added, {len(a.keys() - b.keys())} removed, {changed} changed"
 
 
-part_uri = layout.part_uri
+part_uri = paths.part_uri
 
 
 def previous_rows(cache_root: str, shard: tuple[int, int]) -> dict[str, dict]:
     try:
-        table = layout.read_part(cache_root, shard)
+        table = paths.read_part(cache_root, shard)
     except Exception:  # noqa: BLE001 - an unreadable old part only costs a recheck
         return {}
     return {r["relpath"]: r for r in table.to_pylist()} if table is not None else {}
@@ -120,7 +120,7 @@ def previous_rows(cache_root: str, shard: tuple[int, int]) -> dict[str, dict]:
 
 def existing_arrays(cache_root: str) -> set[str]:
     """Volume paths (relative) whose OME-Zarr group metadata exists, from one listing."""
-    fs, base = fsio.filesystem(layout.volumes_uri(cache_root))
+    fs, base = fsio.filesystem(paths.volumes_uri(cache_root))
     if not fs.exists(base):
         return set()
     prefix = fsio.filesystem(cache_root)[1].rstrip("/") + "/"
@@ -241,8 +241,8 @@ def fail_duplicate_uids(rows: list[dict]) -> list[dict]:
     keeps the image, later ones fail (in the rows returned; the inputs are not changed).
     Their arrays stay on disk, unreferenced, so a re-run reuses them and reaches the same
     verdict. Within one shard: duplicates in different shards fail when the parts are read
-    together (manifests/layout.read_manifest_table)."""
-    dups = layout.duplicate_uids(r for r in rows if r["status"] == "ok")
+    together (manifests/paths.read_manifest_table)."""
+    dups = paths.duplicate_uids(r for r in rows if r["status"] == "ok")
     return [{**r, "status": "failed", "volume": None,
              "error": f"duplicate SOP instance UID: {r['sop_instance_uid']} is also {dups[r['relpath']]}"}
             if r["relpath"] in dups else r for r in rows]
@@ -294,12 +294,12 @@ class AbortRule:
 def tidy_manifest_dir(cache_root: str, shard: tuple[int, int]) -> None:
     """Drop parts written with another N (superseded by this sharding) and this part's
     temp files from a killed run."""
-    fs, base = fsio.filesystem(layout.manifest_uri(cache_root))
+    fs, base = fsio.filesystem(paths.manifest_uri(cache_root))
     if not fs.isdir(base):
         if fs.exists(base):
             fs.rm(base)
         return
-    mine = layout.part_name(shard)
+    mine = paths.part_name(shard)
     for p in fs.ls(base, detail=False):
         name = os.path.basename(p)
         if (name.startswith("part-") and not name.endswith(f"-of-{shard[1]:04d}.parquet")) or \

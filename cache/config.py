@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from ingest import preprocess as prep
 from manifests import aireadi, protocols
@@ -12,7 +13,8 @@ class Select:
     """Which sources become volumes. Each key lists the values kept; an empty list keeps every value.
     A row that does not pass is `skipped`, with its reason: never failed, never cached. By default
     only raster volumes: a radial scan's B-scans are no volume (manifests/protocols.py)."""
-    device: list[str] = dataclasses.field(default_factory=list)        # e.g. [topcon_triton, zeiss_cirrus]
+    RENAMED: ClassVar[dict[str, str]] = {"device": "scanner"}   # read under the old name for one release
+    scanner: list[str] = dataclasses.field(default_factory=list)       # the manifest's device values, e.g. [zeiss_cirrus]
     protocol: list[str] = dataclasses.field(default_factory=list)      # e.g. ["maestro2 3d wide oct", "cirrus mac oct"]
     region: list[str] = dataclasses.field(default_factory=list)        # macula, optic disc, wide field
     scan_pattern: list[str] = dataclasses.field(default_factory=lambda: [protocols.RASTER])  # + radial, line, unknown
@@ -22,7 +24,7 @@ class Select:
 
         self.protocol = [protocols.canonical(p) for p in self.protocol]
         self.region = [protocols.region_word(r) for r in self.region]
-        known = {"device": aireadi.DEVICES, "protocol": tuple(protocols.PROTOCOLS), "region": protocols.REGIONS,
+        known = {"scanner": aireadi.DEVICES, "protocol": tuple(protocols.PROTOCOLS), "region": protocols.REGIONS,
                  "scan_pattern": (*protocols.PATTERNS, protocols.UNKNOWN)}
         for key, values in known.items():
             bad = [v for v in getattr(self, key) if v not in values]
@@ -35,7 +37,7 @@ class Select:
         """Why this row is not cached under this selection (None: it is), naming the key and the
         value that would take it. Not `final` (before the header is read): a value not known yet
         passes, for the header to tell."""
-        checks = (("device", row.get("device")), ("protocol", row.get("protocol")),
+        checks = (("scanner", row.get("device")), ("protocol", row.get("protocol")),
                   ("region", protocols.region_word(row.get("anatomic_region"))), ("scan_pattern", row.get("scan_pattern")))
         for key, value in checks:
             kept = getattr(self, key)

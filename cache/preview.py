@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Sequence
 
 from cache.config import CacheConfig
-from manifests import layout
+from manifests import paths
 from octfm import cli, config
 
 
@@ -52,9 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of that config (as make cache's ARGS)")
     args = ap.parse_args(argv)
     cfg = config.load(CacheConfig, args.config, args.overrides)
-    stored = layout.read_sources(args.cache)
+    stored = paths.read_sources(args.cache)
     if stored is None:
-        raise cli.UsageError(f"--cache {args.cache}: no {layout.SOURCES} there (run `make manifest` first)")
+        raise cli.UsageError(f"--cache {args.cache}: no {paths.SOURCES} there (run `make manifest` first)")
     print_preview(preview(stored[0], cfg), args.config)
     return 0
 

@@ -16,7 +16,7 @@ from cache.config import CacheConfig
 from ingest import preprocess as prep
 from ingest import scan as scans
 from ingest.dicom import BadInput, decode_pixels, read_header
-from manifests import layout, schema
+from manifests import paths, schema
 from octfm import archives, config, fsio
 
 SOURCE_NAMES = [f.name for f in schema.SOURCE_FIELDS]
@@ -26,7 +26,7 @@ SCAN_NAMES = ("protocol", "protocol_by", "scan_pattern", "field_mm", "geometry_w
 
 
 def volume_path(relpath: str) -> str:
-    return layout.volume_relpath(relpath)
+    return paths.volume_relpath(relpath)
 
 
 def _init_worker() -> None:

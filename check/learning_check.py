@@ -132,7 +132,7 @@ def probe_config(cache_dir: Path, n_boot: int, random_draws: int, device: str, p
     cohort whose own random-init draws the rows read (baseline_seed); None (a SOURCE root): the probes' seed + d."""
     draws_from = baseline_seed(cohort_seed)
     return config.load(ProbeConfig, "configs/probe.yaml",
-                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_device=false", "cross_device=false",
+                       [f"cache={cache_dir}", f"bootstrap={n_boot}", "per_scanner=false", "cross_scanner=false",
                         "baselines=true", f"baseline_draws={random_draws}", f"device={device}",
                         *(() if draws_from is None else (f"baseline_seed={draws_from}",)), *probe_args])
 

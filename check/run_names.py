@@ -41,10 +41,10 @@ def cache_contents(cache: str) -> str:
     """A digest of what the cache holds: every ok volume's path and cache key (the key covers its source's
     size, version and hashes, the preprocessing and its code). A cohort regenerated in the same folder, or a
     SOURCE whose files changed, gives another digest although the cache's path is the same."""
-    from manifests import layout
+    from manifests import paths
 
     try:
-        table = layout.read_manifest_table(cache).select(["relpath", "status", "cache_key"]).to_pylist()
+        table = paths.read_manifest_table(cache).select(["relpath", "status", "cache_key"]).to_pylist()
     except FileNotFoundError:  # not built (yet): named for its path alone
         return "no manifest"
     rows = sorted(f"{r['relpath']}\t{r['cache_key']}" for r in table if r["status"] == "ok")

@@ -3,7 +3,7 @@ and `make finetune`'s (configs/finetune.yaml)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from octfm.config import FieldError
 from train.config import WandbConfig
@@ -11,6 +11,7 @@ from train.config import WandbConfig
 
 @dataclasses.dataclass
 class ProbeConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"per_device": "per_scanner", "cross_device": "cross_scanner"}  # one release
     run: str | None = None             # pretraining run folder (runs/<name>): its newest checkpoint
     ckpt: str | None = None            # or an explicit checkpoint (local or gs://); wins over run
     cache: str | None = None           # None: the cache the checkpoint was trained on
@@ -31,8 +32,8 @@ class ProbeConfig:
     device: str = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # feature extraction; auto: bf16 autocast on cuda
     bootstrap: int = 1000
-    per_device: bool = True
-    cross_device: bool = True
+    per_scanner: bool = True           # the test scores on each scanner's volumes alone
+    cross_scanner: bool = True         # heads trained on all but one scanner, tested on it (evals/subsets.py)
     baselines: bool = True
     baseline_draws: int = 1            # random-init encoders drawn (init seeds baseline_seed + 1, ...); the learning
                                        # check reads their mean (docs/recipe.md, Probes)

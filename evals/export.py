@@ -18,7 +18,7 @@ from typing import Sequence
 from cache import store
 from evals import features
 from ingest import preprocess as prep
-from manifests import layout
+from manifests import paths
 from octfm import cli, config, fsio, procs
 from train import checkpoint, data, encoder, shares
 from train.config import TrainConfig
@@ -35,15 +35,15 @@ def code_version() -> dict:
 
 def cache_provenance(cache: str, cfg: TrainConfig) -> dict:
     """What the encoder was trained on: the cache's code version, stored shape and preprocessing
-    parameters (from a volume's attributes), and the training volumes per device."""
+    parameters (from a volume's attributes), and the training volumes per scanner."""
     try:
-        rows = layout.read_manifest_table(cache).to_pylist()
+        rows = paths.read_manifest_table(cache).to_pylist()
     except (FileNotFoundError, OSError) as exc:
         print(f"export: warning: cannot read the cache manifest under {cache} ({exc}); config.json records no "
               "preprocessing parameters", flush=True)
         return {"uri": cache, "readable": False}
     ok = [r for r in rows if r["status"] == "ok"]
-    trained = [r for r in ok if r["split"] in cfg.data.splits and (cfg.data.devices is None or r["device"] in cfg.data.devices)]
+    trained = [r for r in ok if r["split"] in cfg.data.splits and (cfg.data.scanners is None or r["device"] in cfg.data.scanners)]
     attrs = store.read_attrs(cache, ok[0]["volume"]) if ok else None
     return {
         "uri": cache, "readable": True,
@@ -61,14 +61,14 @@ def encoder_config(cfg: TrainConfig, step: int, ckpt: str, cache: dict, grid) ->
         "format": encoder.FORMAT, "format_version": encoder.FORMAT_VERSION,
         "architecture": {"type": "vit3d", **{k: model[k] for k in encoder.ARCH_KEYS},
                          "positions": "fixed 3D sin-cos", "attention": "PyTorch SDPA", "final_norm": "LayerNorm"},
-        "input": {"dtype": "uint8", "layout": "B, D, H, W (cached volumes)", "stride": list(cfg.data.stride),
+        "input": {"dtype": "uint8", "axes": "B, D, H, W (cached volumes)", "stride": list(cfg.data.stride),
                   "crop": "centre", "input_shape": list(cfg.data.input_shape), "grid": list(grid)},
         "normalization": {"formula": "(x / 255 - mean) / std", "mean": data.PIXEL_MEAN, "std": data.PIXEL_STD},
         "pooling": f"{cfg.model.pool} over tokens",
         "loss": {**config.to_dict(cfg.loss), "objective": objective(cfg.loss)},
         "cache": cache,
         "training": {"run": cfg.name, "step": step, "checkpoint": ckpt, "max_steps": cfg.max_steps,
-                     "global_batch": cfg.global_batch, "splits": cfg.data.splits, "devices": cfg.data.devices},
+                     "global_batch": cfg.global_batch, "splits": cfg.data.splits, "scanners": cfg.data.scanners},
         "code": code_version(),
     }
 
@@ -105,7 +105,7 @@ def model_card(conf: dict, probes: tuple[str, dict]) -> str:
         f"input {conf['input']['input_shape']} (stride {conf['input']['stride']}, centre crop), "
         f"token grid {conf['input']['grid']}.",
         f"- Data: the cache `{c['uri']}` (code version {c.get('code_version')}, stored shape {c.get('stored_shape')}), "
-        f"splits {t['splits']}, devices {t['devices'] or 'all'}; training volumes per device: "
+        f"splits {t['splits']}, scanners {t['scanners'] or 'all'}; training volumes per scanner: "
         f"{', '.join(f'{d} {n}' for d, n in vols.items()) or 'unknown'}.",
         f"- Intensities: {conf['normalization']['formula']} with mean {conf['normalization']['mean']}, std "
         f"{conf['normalization']['std']}; the cache's preprocessing is in config.json (`cache.preprocess`).",

@@ -12,7 +12,7 @@ encoder untouched, which then warms up again from its first step), the update gu
 values, class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu,
 cuda (torchrun + DDP, bf16) and xla, on pretraining's skeleton (train/loop.py). A killed run
 resumes from its last whole epoch to the weights an uninterrupted one reaches (on another process
-count, at that epoch of its layout). The best epoch is kept as a checkpoint that `make export`,
+count, at that epoch of its batch split). The best epoch is kept as a checkpoint that `make export`,
 `make embed` and `make probe` read like a pretraining one (its head included).
 
 Its parts: the classifier and its layer groups (evals/classifier.py), the labelled rows and their
@@ -176,7 +176,7 @@ class Finetuner(TrainLoop):
                            "classes": self.spec["names"], "token_pool": list(self.cfg.token_pool),
                            "from": self.ident, "best": self.best}}
         if not best:
-            st.update(optimizer=self.opt.state_dict(), train_step=self.step, layout=self.layout(), stale=self.stale,
+            st.update(optimizer=self.opt.state_dict(), train_step=self.step, batch_split=self.batch_split(), stale=self.stale,
                       history=self.history, **self.guard.state())
         return to_cpu(st)  # a copy: the background write (TrainLoop.save) runs while training goes on
 
@@ -194,21 +194,22 @@ class Finetuner(TrainLoop):
                                  f"set out= to start a new run, or put them back to resume")
         return found
 
-    def layout(self) -> dict:
+    def batch_split(self) -> dict:
         """What an optimizer step is here: `batch` rows on each of `world` processes."""
         return {"batch": self.batch, "world": self.rt.world}
 
     def _resume_step(self, uri: str, st: dict) -> int:
         """The checkpoint's place as this run's optimizer step: its epoch and the samples into it
         (data.data_position), converted to this run's batch and process count, as pretraining
-        resumes. Refused (naming both layouts) where no whole number of this run's steps reaches it,
+        resumes. Refused (naming both splits) where no whole number of this run's steps reaches it,
         and with `val_every`, whose checkpoints, history and best are counted in the saved steps."""
-        saved, n, old = int(st["train_step"]), int(self.train.sum()), st["layout"]
+        # "layout": the key's name in checkpoints written before the batch split was named so
+        saved, n, old = int(st["train_step"]), int(self.train.sum()), st.get("batch_split") or st["layout"]
         pos = data.data_position(saved, n, old["batch"], old["world"])
         start = data.start_batch_for(pos, n, self.batch, self.rt.world)
         if start != saved and (start is None or self.cfg.val_every):
-            why = "whole steps of this layout do not reach it" if start is None else \
-                "val_every counts its checkpoints, history and best in the saved layout's steps"
+            why = "whole steps of this batch split do not reach it" if start is None else \
+                "val_every counts its checkpoints, history and best in the saved split's steps"
             raise cli.UsageError(
                 f"{uri}: saved at epoch {pos['epoch']}, {pos['offset']} samples into it, with batch {old['batch']} x "
                 f"{old['world']} process(es); this run has batch {self.batch} x {self.rt.world} process(es) and "
@@ -400,7 +401,7 @@ class Finetuner(TrainLoop):
         self.model.head.load_state_dict(best["head"])
         k, names = self.spec["classes"], self.spec["names"]
         groups = np.array([r["participant_id"] for r in self.rows])
-        devices = np.array([r["device"] for r in self.rows])
+        scanners = np.array([r["device"] for r in self.rows])
         evaluated = (self.split == "val") | (self.split == "test")
         prob = np.zeros((len(self.rows), k))
         prob[evaluated] = self.predict(evaluated)
@@ -412,11 +413,11 @@ class Finetuner(TrainLoop):
                "best_step": best["finetune"]["best"]["step"],
                "val": probe.evaluate(prob, self.y, groups, self.split == "val", k, self.cfg),
                "test": probe.evaluate(prob, self.y, groups, test, k, self.cfg)}
-        result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_device": None,
+        result = {"task": self.cfg.task, "classes": names, "probes": [res], "cross_scanner": None,
                   "counts": {s: np.bincount(self.y[(self.split == s) & (self.train | (s != "train"))],
                                             minlength=k).tolist() for s in ("train", "val", "test")},
-                  "per_device": {self.kind: {d: probe.evaluate(prob, self.y, groups, test & (devices == d), k, self.cfg)
-                                                 for d in sorted(set(devices[test]))}},
+                  "per_scanner": {self.kind: {d: probe.evaluate(prob, self.y, groups, test & (scanners == d), k, self.cfg)
+                                                 for d in sorted(set(scanners[test]))}},
                   "plotted_head": self.kind, "from": self.ident, "epochs_run": epochs_of(self.step, self.per_epoch),
                   "history": self.history, "label_fraction": self.cfg.label_fraction,
                   "train_participants": int(len(set(groups[self.train]))), "best_checkpoint": self.folder.finetuned()}
@@ -449,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rt.is_master:
         t = res["probes"][0]["test"]
         rows = [(d, m["n"], cli.fmt_number(m["balanced_accuracy"], m.get("balanced_accuracy_ci95")),
-                 cli.fmt_number(m["auroc_macro_ovr"])) for d, m in res["per_device"][ft.kind].items()]
+                 cli.fmt_number(m["auroc_macro_ovr"])) for d, m in res["per_scanner"][ft.kind].items()]
         rows.append(("all", t["n"], cli.fmt_number(t["balanced_accuracy"], t["balanced_accuracy_ci95"]),
                      cli.fmt_number(t["auroc_macro_ovr"], t["auroc_macro_ovr_ci95"])))
         print(f"\n{cfg.task} (test, best val epoch {res['probes'][0]['best_epoch']} of {res['epochs_run']}):")

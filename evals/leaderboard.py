@@ -43,7 +43,7 @@ LEADERBOARD_VERSION = "1"
 RESULT_CODE = ("evals/probe.py",)
 # Baselines do not change with the checkpoint and cross-device transfer multiplies the probe
 # time by the number of scanners: off unless ARGS turns them back on (`make probe` has both).
-DEFAULTS = ["baselines=false", "cross_device=false"]
+DEFAULTS = ["baselines=false", "cross_scanner=false"]
 # ProbeConfig keys that do not change a checkpoint's result (where it comes from, where it runs, which are probed).
 NOT_IN_KEY = ("run", "ckpt", "device", "extract_batch", "max_checkpoints")
 METRICS = (("balanced_accuracy", "balanced_accuracy"), ("auroc", "auroc_macro_ovr"))
@@ -175,10 +175,10 @@ def head_columns(p: dict) -> dict:
             "test_collapsed": p["test"]["collapsed"]}
 
 
-def device_columns(per_device: dict) -> dict:
-    """Its test scores per device (`...@<device>` columns)."""
+def scanner_columns(per_scanner: dict) -> dict:
+    """Its test scores per scanner (`...@<device>` columns, named by the manifest's device value)."""
     out = {}
-    for device, m in per_device.items():
+    for device, m in per_scanner.items():
         out.update({f"test_n@{device}": m["n"], **_scores("test", m, f"@{device}")})
     return out
 
@@ -202,7 +202,7 @@ def table_rows(run: str, records: list[dict]) -> list[dict]:
                    "pretrain_rankme": tr.get("rankme"), "pretrain_target_std": tr.get("target_std"),
                    "pretrain_val_loss": va.get("loss"), "online_probe_step": online.get("step"),
                    "online_knn_bal_acc": online.get(f"{task}/knn_bal_acc"),
-                   **device_columns(res["per_device"].get(p["head"], {}))}
+                   **scanner_columns(res["per_scanner"].get(p["head"], {}))}
             rows.append(row)
     return rows
 
@@ -218,7 +218,7 @@ def finetune_table_rows(run: str) -> list[dict]:
         p = res["probes"][0]
         row = {"run": str(run), "run_name": Path(run).name, "step": p["best_epoch"], "task": res["task"], "ckpt": best,
                "ckpt_exists": Path(best).exists(), **head_columns(p), "head": f"{p['encoder']} {p['head']}",
-               **device_columns(res["per_device"].get(p["head"], {}))}
+               **scanner_columns(res["per_scanner"].get(p["head"], {}))}
         rows.append(row)
     return rows
 

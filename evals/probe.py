@@ -73,7 +73,7 @@ def labelled_rows(cache: str, seed: int, shuffle: bool) -> list[dict]:
 
 
 def rows_fingerprint(rows: list[dict]) -> str:
-    """What the probe results depend on in the cache: volumes, labels, splits, participants, devices."""
+    """What the probe results depend on in the cache: volumes, labels, splits, participants, scanners."""
     blob = [(r["relpath"], r["cache_key"], r["label"], r["split"], r["participant_id"], r["device"]) for r in rows]
     return config.content_key(blob, 20)  # a list of tuples: sorting keys leaves its bytes as before
 
@@ -160,11 +160,11 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     y = np.array([spec["map"](r["label"]) for r in rows])
     split = np.array([r["split"] for r in rows])
     groups = np.array([r["participant_id"] for r in rows])
-    devices = np.array([r["device"] for r in rows])
+    scanners = np.array([r["device"] for r in rows])
     test = split == "test"
     result: dict = {"task": task, "classes": spec["names"], "counts": {s: np.bincount(y[split == s], minlength=k).tolist()
                                                                         for s in ("train", "val", "test")},
-                    "probes": [], "per_device": {}, "cross_device": None,
+                    "probes": [], "per_scanner": {}, "cross_scanner": None,
                     "standardize": cfg.standardize}  # channels scaled by the training rows' statistics (docs/recipe.md, Probes)
     best = None  # (val rank, head, probabilities) of the pretrained encoder's head chosen on val: the plots
     names = list(feats_by_encoder)
@@ -180,14 +180,14 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
             rank = val_rank(chosen["val_balanced_accuracy"], chosen["val_auroc"])
             if enc_name == "pretrained" and (best is None or rank > best[0]):
                 best = (rank, kind, prob)
-            if cfg.per_device and enc_name == "pretrained":
-                result["per_device"][kind] = {d: evaluate(prob, y, groups, test & (devices == d), k, cfg)
-                                              for d in sorted(set(devices[test]))}
+            if cfg.per_scanner and enc_name == "pretrained":
+                result["per_scanner"][kind] = {d: evaluate(prob, y, groups, test & (scanners == d), k, cfg)
+                                              for d in sorted(set(scanners[test]))}
     majority = np.bincount(y[split == "train"], minlength=k).argmax()
     mprob = np.eye(k)[np.full(len(y), majority)]
     result["probes"].append({"encoder": "none", "head": "majority_class", "test": evaluate(mprob, y, groups, test, k, cfg)})
-    if cfg.cross_device and "pretrained" in feats_by_encoder:
-        result["cross_device"] = cross_device(cfg, feats_by_encoder["pretrained"], y, split, devices, k)
+    if cfg.cross_scanner and "pretrained" in feats_by_encoder:
+        result["cross_scanner"] = cross_scanner(cfg, feats_by_encoder["pretrained"], y, split, scanners, k)
     if best is not None:
         result["plotted_head"] = best[1]
     if out_dir is not None:
@@ -195,17 +195,17 @@ def probe_task(task: str, cfg: ProbeConfig, rows, feats_by_encoder: dict, out_di
     return result
 
 
-def cross_device(cfg, feats, y, split, devices, k) -> dict:
+def cross_scanner(cfg, feats, y, split, scanners, k) -> dict:
     """Balanced accuracy of a linear probe trained (and chosen) on one scanner, tested on each."""
     out = {}
-    for src in sorted(set(devices)):
-        tr, va = (split == "train") & (devices == src), (split == "val") & (devices == src)
+    for src in sorted(set(scanners)):
+        tr, va = (split == "train") & (scanners == src), (split == "val") & (scanners == src)
         if len(set(y[tr])) < 2 or va.sum() == 0:
             continue
         _, prob = fit_and_select("linear", cfg, feats, y, split, k, tr, va)
-        out[src] = {dst: pm.balanced_accuracy(y[(split == "test") & (devices == dst)],
-                                              prob[(split == "test") & (devices == dst)].argmax(1), k)
-                    for dst in sorted(set(devices[split == "test"]))}
+        out[src] = {dst: pm.balanced_accuracy(y[(split == "test") & (scanners == dst)],
+                                              prob[(split == "test") & (scanners == dst)].argmax(1), k)
+                    for dst in sorted(set(scanners[split == "test"]))}
     return out
 
 
@@ -223,15 +223,15 @@ def write_report(result: dict, out_dir: Path, y_test, prob_test) -> None:
                      f"{cli.fmt_number(p.get('val_balanced_accuracy'))} | {cli.fmt_number(t['balanced_accuracy'], t['balanced_accuracy_ci95'])} | "
                      f"{cli.fmt_number(t['auroc_macro_ovr'], t['auroc_macro_ovr_ci95'])} | {t['prediction_entropy']:.3f} | "
                      f"{'YES' if t['collapsed'] else 'no'} |")
-    for kind, per in result["per_device"].items():
+    for kind, per in result["per_scanner"].items():
         lines += ["", f"Per device (pretrained, {kind}, test):", "", "| device | n | bal. acc | AUROC |", "|---|---|---|---|"]
         lines += [f"| {d} | {m['n']} | {cli.fmt_number(m['balanced_accuracy'], m.get('balanced_accuracy_ci95'))} | "
                   f"{cli.fmt_number(m['auroc_macro_ovr'], m.get('auroc_macro_ovr_ci95'))} |" for d, m in per.items()]
-    if result["cross_device"]:
-        dsts = sorted({d for row in result["cross_device"].values() for d in row})
+    if result["cross_scanner"]:
+        dsts = sorted({d for row in result["cross_scanner"].values() for d in row})
         lines += ["", "Cross-device transfer (linear, balanced accuracy; rows: trained on, columns: tested on):", "",
                   "| train \\ test | " + " | ".join(dsts) + " |", "|---" * (len(dsts) + 1) + "|"]
-        lines += [f"| {s} | " + " | ".join(cli.fmt_number(row.get(d)) for d in dsts) + " |" for s, row in result["cross_device"].items()]
+        lines += [f"| {s} | " + " | ".join(cli.fmt_number(row.get(d)) for d in dsts) + " |" for s, row in result["cross_scanner"].items()]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     if prob_test is not None and len(y_test):
         plot(out_dir, result, y_test, prob_test)

@@ -41,11 +41,11 @@ def train_mask(rows: list[dict], participants: set[str]) -> np.ndarray:
 
 
 def scanner_folds(rows: list[dict]) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
-    """[(held-out device, train mask, val mask, test mask)]: train and select on the other devices'
-    train and val rows, test on the held-out device's test rows. Splits are by participant, so no
-    test person trains a probe, even one scanned on several devices (only their held-out
+    """[(held-out scanner, train mask, val mask, test mask)]: train and select on the other scanners'
+    train and val rows, test on the held-out scanner's test rows. Splits are by participant, so no
+    test person trains a probe, even one scanned on several scanners (only their held-out
     device's volumes are scored in that fold)."""
-    devices = np.array([r["device"] for r in rows])
+    scanners = np.array([r["device"] for r in rows])
     split = np.array([r["split"] for r in rows])
-    return [(d, (split == "train") & (devices != d), (split == "val") & (devices != d), (split == "test") & (devices == d))
-            for d in sorted(set(devices))]
+    return [(d, (split == "train") & (scanners != d), (split == "val") & (scanners != d), (split == "test") & (scanners == d))
+            for d in sorted(set(scanners))]

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from manifests.layout import MIRROR_RECORD
+from manifests.paths import MIRROR_RECORD
 from octfm import archives, cli, fsio
 from octfm.errors import DataError
 

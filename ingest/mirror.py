@@ -17,8 +17,8 @@ from typing import Sequence
 import pyarrow.parquet as pq
 from rclone_python import rclone
 
-from manifests import layout
-from manifests.layout import MIRROR_RECORD
+from manifests import paths
+from manifests.paths import MIRROR_RECORD
 from octfm import cli, rclone_io
 from octfm.rclone_io import Retries
 
@@ -50,7 +50,7 @@ def record_rows(src_files: list[dict], dst_files: list[dict], now: str) -> tuple
 
 
 def write_record(rows: list[dict], dst: str) -> None:
-    table = layout.mirror_record_table(rows)
+    table = paths.mirror_record_table(rows)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, MIRROR_RECORD)
         pq.write_table(table, local, compression="zstd")
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                retries=Retries(a.retries, a.low_level_retries, a.retries_sleep))
     print(f"mirror: {a.src} -> {a.dst}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB; copied {s['copied']} this run; "
           f"SHA-1 recorded for {s['with_sha1']}, MD5 for {s['with_md5']}; {s['seconds']:.1f}s")
-    print(f"mirror: record written to {layout.mirror_record_uri(a.dst)}")
+    print(f"mirror: record written to {paths.mirror_record_uri(a.dst)}")
     return cli.report_verification("mirror", s["problems"],
                                    f"{s['files']} files (size{', MD5' if s['with_md5'] else ''})")
 

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import pandas as pd
 
-from manifests import aireadi, layout, protocols, schema, splits
-from manifests.layout import OCT_DIR
+from manifests import aireadi, paths, protocols, schema, splits
+from manifests.paths import OCT_DIR
 from octfm import archives, cli, fsio
 from octfm.errors import DataError
 
@@ -165,7 +165,7 @@ class Sources:
     def __init__(self, root: str, people: pd.DataFrame):
         self.root, self.people = root, people
         self.listing, self.zips = list_dataset(root)
-        self.mirror = layout.read_mirror_record(root)
+        self.mirror = paths.read_mirror_record(root)
         self.unknown_participants: set[str] = set()
 
     def base_row(self, pid: str, rel: str | None, raw_path: str, found: str | None) -> dict:
@@ -264,7 +264,7 @@ def build_sources(root: str, seed: int = 0, oct_manifest: str | None = None,
     unlisted, ignored = src.unlisted_rows(matcher.claimed)
     rows += unlisted
     by_rel = {r["relpath"]: r for r in rows}
-    for rel, first in layout.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
+    for rel, first in paths.duplicate_uids(r for r in rows if not r["manifest_error"]).items():
         by_rel[rel]["manifest_error"] = f"duplicate SOP instance UID: {by_rel[rel]['sop_instance_uid']} is also {first}"
     if src.unknown_participants:
         warnings.append(f"{len(src.unknown_participants)} participant(s) in manifest.tsv are not in "
@@ -384,10 +384,10 @@ def sources_options(root: str, seed: int = 0, oct_manifest: str | None = None,
 
 def write_sources(rows: list[dict], out: str, options: dict | None = None) -> None:
     """sources.parquet; `options` (the root, the tables' places, the split seed) ride in its
-    metadata, so `make cache` lists the same dataset the same way (layout.read_sources)."""
+    metadata, so `make cache` lists the same dataset the same way (paths.read_sources)."""
     table = schema.to_table(rows, schema.SOURCES_SCHEMA)
     if options:
-        table = table.replace_schema_metadata({**table.schema.metadata, layout.SOURCES_OPTIONS: json.dumps(options)})
+        table = table.replace_schema_metadata({**table.schema.metadata, paths.SOURCES_OPTIONS: json.dumps(options)})
     fsio.write_parquet_atomic(table, out)
 
 

@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import hashlib
 import json
+import sys
 import types
 import typing
 from pathlib import Path
@@ -105,10 +106,39 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     return value
 
 
+def renamed(cls: type, data: dict, prefix: str = "", where: str = "config", say: bool = True) -> dict:
+    """`data` with the keys `cls.RENAMED` (old name -> new name) lists under their new names, at every
+    level of nested dataclasses: a key renamed in one release is read, with a message naming both, for
+    that release. Both names at once is refused."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return data
+    out = dict(data)
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"{where}: both '{prefix}{old}' and '{prefix}{new}': '{old}' is the old name of "
+                              f"'{new}'; keep '{new}'")
+        if say:
+            print(f"config: {where}: key '{prefix}{old}' is now '{prefix}{new}' (read under the old name for this "
+                  "release; rename it)", file=sys.stderr)
+        out[new] = out.pop(old)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)
+        if f.name in out and dataclasses.is_dataclass(inner):
+            out[f.name] = renamed(inner, out[f.name], f"{prefix}{f.name}.", where, say)
+    return out
+
+
 def from_dict(cls: type[T], data: dict, prefix: str = "", where: str = "config") -> T:
-    """Build dataclass `cls` from `data`; unknown keys raise ConfigError naming them."""
+    """Build dataclass `cls` from `data`; unknown keys raise ConfigError naming them, renamed ones
+    (`cls.RENAMED`) are read under their new name with a message."""
     if data is None:
         data = {}
+    if not prefix:
+        data = renamed(cls, data, where=where)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:

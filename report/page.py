@@ -31,7 +31,7 @@ from tqdm import tqdm
 from cache import store
 from ingest import dicom
 from ingest.preprocess import subsample
-from manifests import layout, schema
+from manifests import paths, schema
 from octfm import cli, fsio, plots
 from train import curves, run_folder
 from train.run_folder import RunFolder
@@ -84,7 +84,7 @@ def _fmt(v) -> str:
 
 def load_manifest(cache: str) -> pd.DataFrame:
     try:
-        df = layout.read_manifest_table(cache).to_pandas()
+        df = paths.read_manifest_table(cache).to_pandas()
     except FileNotFoundError as exc:
         raise cli.UsageError(f"--cache: no cache manifest at {exc} (run make cache first)") from None
     df["device"] = df["device"].fillna("unknown")
@@ -246,12 +246,12 @@ def source_histogram(row: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.histogram(sub, bins=min(256, top), range=(0, top))
 
 
-def histograms_png(groups: dict, views: dict, per_device: int, progress: bool) -> tuple[bytes | None, list[str]]:
+def histograms_png(groups: dict, views: dict, per_scanner: int, progress: bool) -> tuple[bytes | None, list[str]]:
     """Per device: source intensities with the manifest's [lo, hi] window, next to the stored uint8."""
     by_device: dict[str, list[dict]] = {}
     for (device, _), rows in groups.items():
         by_device.setdefault(device, []).extend(r for r in rows if r["volume"] in views)
-    by_device = {d: rows[:per_device] for d, rows in by_device.items() if rows}
+    by_device = {d: rows[:per_scanner] for d, rows in by_device.items() if rows}
     if not by_device:
         return None, []
     problems = []
@@ -366,7 +366,7 @@ def run_section(run_dir: Path) -> tuple[list[str], int]:
 
 
 # ------------------------------------------------------------------ the page
-def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_device: int = 2, seed: int = 0,
+def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_scanner: int = 2, seed: int = 0,
           progress: bool = True) -> tuple[str, dict]:
     """The page as a string, and numbers for the summary."""
     df = load_manifest(cache)
@@ -407,12 +407,12 @@ def build(cache: str, run: str | None = None, per_group: int = 4, hist_per_devic
         body.append(note(f"unreadable cached volume {p}"))
 
     body.append("<h2>Intensities before and after normalisation</h2>")
-    body.append(f"<p>Up to {hist_per_device} of the volumes above per device: the decoded source (about "
+    body.append(f"<p>Up to {hist_per_scanner} of the volumes above per scanner: the decoded source (about "
                 f"{HIST_VOXELS:,} strided voxels, re-read from the source URI) with the manifest's window "
                 "[lo, hi] dashed, and the cached uint8 values. Log scale.</p>")
     body.append(table(["device", "ok files", "lo median", "lo min", "lo max", "hi median", "hi min", "hi max"],
                       window_rows(df)))
-    hist, hist_problems = histograms_png(groups, views, hist_per_device, progress)
+    hist, hist_problems = histograms_png(groups, views, hist_per_scanner, progress)
     body.append(image(hist, "intensity histograms") if hist else note("no volumes for histograms"))
     for p in hist_problems:
         body.append(note(f"source not readable, its histogram is missing: {p}"))
@@ -439,12 +439,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--run", default=None, help="run folder runs/<name> (curves, probes)")
     ap.add_argument("--out", default=None, help="HTML file (default <run>/report.html, else <cache>/report.html)")
     ap.add_argument("--per-group", type=int, default=4, help="volumes per device and protocol in the montage")
-    ap.add_argument("--hist-per-device", type=int, default=2, help="source files re-read per device for histograms")
+    ap.add_argument("--hist-per-scanner", type=int, default=2, help="source files re-read per scanner for histograms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    page, stats = build(a.cache, a.run, a.per_group, a.hist_per_device, a.seed, progress=not a.no_progress)
+    page, stats = build(a.cache, a.run, a.per_group, a.hist_per_scanner, a.seed, progress=not a.no_progress)
     out = a.out or default_out(a.cache, a.run)
     data = page.encode()
     fsio.atomic_write_bytes(out, data)

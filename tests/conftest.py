@@ -463,7 +463,7 @@ def probed_wandb_run(request, tmp_path_factory, wandb_run) -> Path:
 
 def _probe_tiny(root: Path) -> None:
     r = run_here("evals.probe", f"run={root / 'runs' / 'tiny'}", "epochs=5", "bootstrap=20", "lrs=[1e-3]",
-                 "weight_decays=[0.0]", "heads=[linear]", "cross_device=false")
+                 "weight_decays=[0.0]", "heads=[linear]", "cross_scanner=false")
     assert r.returncode == 0, r.stderr[-2000:]
 
 

@@ -16,8 +16,8 @@ from train.config import TrainConfig, per_process_batch, saved_config
     (16, 4, 4, 3, (2, 4, 8)),         # 3 does not split 8 evenly: the fewest micro-steps that do
     (1, 1, 1, 16, (16, 8, 16)),       # one card reaches the recipe's batch by accumulation
 ])
-def test_a_layout_keeps_the_global_batch(chips, processes, hosts, cap, want):
-    lay = batching.layout(128, cap, chips, processes, hosts)
+def test_a_split_keeps_the_global_batch(chips, processes, hosts, cap, want):
+    lay = batching.split(128, cap, chips, processes, hosts)
     assert (lay.per_chip, lay.accum, lay.per_process) == want
     assert lay.per_chip * lay.chips * lay.accum == 128 and lay.per_host * hosts == 128
 
@@ -25,7 +25,7 @@ def test_a_layout_keeps_the_global_batch(chips, processes, hosts, cap, want):
 def test_a_batch_the_chips_cannot_split_is_refused_with_the_numbers():
     with pytest.raises(ConfigError, match=r"'global_batch': 100 does not divide over 16 chip\(s\) \(4 process\(es\) "
                                           r"on 4 host\(s\)\): use a multiple of 16, e.g. 96"):
-        batching.layout(100, None, 16, 4, 4)
+        batching.split(100, None, 16, 4, 4)
     with pytest.raises(ConfigError, match="chip_batch"):
         config.load(TrainConfig, "configs/pretrain_smoke.yaml", ["chip_batch=0"])
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest import synth
-from manifests import layout
+from manifests import paths
 
 SMALL = {"preprocess": {"target_shape": [16, 48, 48]}}
 
@@ -29,7 +29,7 @@ def _record(root, files: dict[str, dict]) -> None:
     rows = [{"path": rel, "size": (root / rel).stat().st_size, "sha1": h.get("sha1"), "md5": h.get("md5"),
              "mod_time": None, "hash_note": "test", "verified": True, "recorded_at": "2025-01-01T00:00:00"}
             for rel, h in files.items()]
-    pq.write_table(layout.mirror_record_table(rows), root / layout.MIRROR_RECORD)
+    pq.write_table(paths.mirror_record_table(rows), root / paths.MIRROR_RECORD)
 
 
 def _hashes(path) -> dict[str, str]:

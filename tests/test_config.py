@@ -60,7 +60,7 @@ SIZE_KEYS = {"global_batch", "chip_batch", "max_steps", "data.input_shape", "mod
              "model.pred_depth", "model.pred_heads", "optim.lr", "optim.start_lr", "optim.final_lr",
              "optim.warmup_steps", "optim.ema"}
 RUN_KEYS = {"name", "device", "precision", "log_every", "val_every", "val_batches", "eval_every", "ckpt_every",
-            "keep_last", "data.cache", "data.stride", "data.workers", "data.devices", "wandb.enabled"}
+            "keep_last", "data.cache", "data.stride", "data.workers", "data.scanners", "wandb.enabled"}
 
 
 @pytest.mark.parametrize("name", PRETRAIN)
@@ -79,7 +79,7 @@ def test_pretrain_configs_state_only_their_size_and_run_keys_off_the_defaults(na
     assert [k for k in raw if loaded[k] == default[k]] == [], "keys set at their default"
     if name == "pretrain_single_domain":
         prod = _flat(config.to_dict(config.load(TrainConfig, "configs/pretrain_multi_domain.yaml")))
-        assert {k for k in prod if prod[k] != loaded[k]} == {"name", "data.devices"}
+        assert {k for k in prod if prod[k] != loaded[k]} == {"name", "data.scanners"}
 
 
 @pytest.mark.parametrize("override", ["mask.repeats=2", "loss.context=1", "loss.local_stat=mean"])
@@ -177,3 +177,24 @@ def test_the_production_cache_is_set_per_machine_by_one_variable():
     plain = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "LOCAL"}).stdout.splitlines()[-1]
     assert "train.pretrain" in plain and "data.cache" not in plain
+
+
+def test_a_renamed_key_is_read_for_one_release_with_a_message(capsys, tmp_path):
+    """Scanners are scanners (data.scanners, select.scanner, per_scanner, cross_scanner) and accelerators are
+    `device`: the old keys are still read, each with a message naming both names; both at once is refused."""
+    from evals.config import ProbeConfig
+    from train.config import TrainConfig, saved_config
+
+    cfg = config.load(TrainConfig, "configs/pretrain_smoke.yaml", ["data.devices=[zeiss_cirrus]"])
+    assert cfg.data.scanners == ["zeiss_cirrus"]
+    assert "key 'data.devices' is now 'data.scanners'" in capsys.readouterr().err
+    assert config.load(CacheConfig, None, ["select.device=[zeiss_cirrus]"]).select.scanner == ["zeiss_cirrus"]
+    probe = config.load(ProbeConfig, None, ["per_device=false", "cross_device=false"])
+    assert not probe.per_scanner and not probe.cross_scanner
+    assert "'per_device' is now 'per_scanner'" in capsys.readouterr().err
+    with pytest.raises(config.ConfigError, match="both 'data.devices' and 'data.scanners'"):
+        config.load(TrainConfig, None, ["data.devices=[a]", "data.scanners=[a]"])
+    # a checkpoint saved under the old name loads as it was trained
+    saved = config.to_dict(TrainConfig())
+    saved["data"]["devices"] = saved["data"].pop("scanners")
+    assert saved_config(saved, "x.pt").data.scanners is None

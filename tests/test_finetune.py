@@ -59,7 +59,7 @@ def test_a_tiny_finetune_runs_end_to_end(pretrained, tmp_path):
     assert ft["encoder"] == "finetuned_pretrained" and ft["head"] == "linear"  # the shipped recipe, without --config
     assert 0 <= ft["test"]["balanced_accuracy"] <= 1 and len(ft["test"]["balanced_accuracy_ci95"]) == 2
     assert [h["epoch"] for h in m["history"]] == [1, 2]
-    assert set(m["per_device"][ft["head"]])  # every test device reported
+    assert set(m["per_scanner"][ft["head"]])  # every test device reported
     for f in ("report.md", "confusion.png", "roc.png", "curves.png"):
         assert (out / "diabetic" / f).stat().st_size > 0, f
     vals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

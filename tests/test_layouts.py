@@ -149,16 +149,16 @@ def test_every_protocol_is_named_patterned_and_cached_or_skipped(tmp_path):
         assert line in r.stdout
 
 
-def test_select_by_device_protocol_and_region_skips_with_reasons_and_strict_ignores_them(tmp_path):
+def test_select_by_scanner_protocol_and_region_skips_with_reasons_and_strict_ignores_them(tmp_path):
     root = tree(tmp_path, participants=4, protocols="all")
     r = run_here("cache.build", "--source", root, "--cache", str(tmp_path / "cache"), "--config", "configs/cache.yaml",
-                "--no-progress", "--strict", SHAPE, "select.device=[topcon_triton,zeiss_cirrus]", "select.region=[macula]")
+                "--no-progress", "--strict", SHAPE, "select.scanner=[topcon_triton,zeiss_cirrus]", "select.region=[macula]")
     assert r.returncode == 0, r.stdout[-2000:]        # skipped rows are not failures
     df = pd.read_parquet(tmp_path / "cache" / "manifest.parquet")
     ok = df[df.status == "ok"]
     assert set(ok.device) == {"topcon_triton", "zeiss_cirrus"}
     assert set(ok.anatomic_region.str.split(",").str[0]) == {"Macula"}
-    assert df[df.device == "topcon_maestro2"].skip_reason.str.startswith("not selected: device topcon_maestro2").all()
+    assert df[df.device == "topcon_maestro2"].skip_reason.str.startswith("not selected: scanner topcon_maestro2").all()
     assert df[(df.device == "zeiss_cirrus") & df.protocol.str.contains("disc")].skip_reason.str.startswith(
         "not selected: region optic disc").all()
     # configs/cache.yaml resamples to one voxel size: every volume's is the config's, its cut or pad recorded
@@ -212,7 +212,7 @@ def test_a_tree_regenerated_in_the_same_folder_is_read_anew(tmp_path, capsys):
     assert f"{len(again)} reused, 0 processed" in capsys.readouterr().out
     assert run_names.recipe_name("configs/pretrain_check.yaml", cache, []) == before   # the same run: it resumes
     tree(tmp_path, participants=6, seed=9)                   # same path, other files
-    stored = cache_build.layout.read_sources(cache)[0]
+    stored = cache_build.paths.read_sources(cache)[0]
     capsys.readouterr()
     # one shard of several keeps the stored rows (every host must split the same ones) and says so
     assert cache_build.load_sources(root, cache, shards=2) == stored
@@ -260,10 +260,10 @@ def test_a_skip_decided_by_name_leaves_the_header_to_decide_later(tmp_path):
     df.loc[df.filepath == "/" + rel, "filepath"] = "/" + str(renamed.relative_to(tmp_path / "plain"))
     df.to_csv(tsv, sep="\t", index=False)
     cache = str(tmp_path / "cache")
-    only_triton = config.load(CacheConfig, None, [SHAPE, "select.device=[topcon_triton]"])
+    only_triton = config.load(CacheConfig, None, [SHAPE, "select.scanner=[topcon_triton]"])
     first = {r["relpath"]: r for r in cache_build.build(root, cache, only_triton, progress=False)}
     key = str(renamed.relative_to(tmp_path / "plain"))
-    assert first[key]["status"] == "skipped" and first[key]["skip_reason"].startswith("not selected: device")
+    assert first[key]["status"] == "skipped" and first[key]["skip_reason"].startswith("not selected: scanner")
     again = {r["relpath"]: r for r in cache_build.build(root, cache, config.load(CacheConfig, None, [SHAPE]),
                                                          progress=False)}
     assert again[key]["status"] == "ok" and again[key]["scan_pattern"] == "raster", again[key]["skip_reason"]

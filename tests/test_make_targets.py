@@ -34,8 +34,8 @@ def test_staging_a_share_needs_the_host_and_the_config(tmp_path):
     assert r.returncode == 2 and "set HOST=<this host, 0 to HOSTS-1> and CONFIG=" in r.stderr
     assert not (tmp_path / ".venv").exists()
     share = make_n("-s", "stage", "CACHE=gs://b/c", "LOCAL=/mnt/x", "HOSTS=4", "HOST=1", "CONFIG=p.yaml",
-                   "ARGS=data.devices=[a]").stdout
-    assert "-m train.shares --config p.yaml --host 1 --hosts 4" in share and "data.devices=[a]" in share
+                   "ARGS=data.scanners=[a]").stdout
+    assert "-m train.shares --config p.yaml --host 1 --hosts 4" in share and "data.scanners=[a]" in share
     assert "-m cache.stage" in make_n("-s", "stage", "CACHE=gs://b/c", "LOCAL=/mnt/x").stdout
 
 

@@ -127,16 +127,16 @@ def test_duplicate_participants_identical_kept_once_conflicting_refused(tmp_path
 def test_duplicate_uids_across_manifest_parts_fail_when_read_together(tmp_path, capsys):
     """Two shards each hold one copy of an image (an unlisted file's header UID): each part alone
     is clean, the manifest read whole keeps the first relpath and fails the other, naming the pair."""
-    from manifests import layout, schema
+    from manifests import paths, schema
     from octfm import fsio
 
     rows = [{"relpath": "retinal_oct/a/1.dcm", "status": "ok", "sop_instance_uid": "1.2.3", "volume": "v/1"},
             {"relpath": "retinal_oct/b/2.dcm", "status": "ok", "sop_instance_uid": "1.2.3", "volume": "v/2"},
             {"relpath": "retinal_oct/c/3.dcm", "status": "ok", "sop_instance_uid": "4.5.6", "volume": "v/3"}]
     for i, part in enumerate([[rows[0], rows[2]], [rows[1]]]):
-        fsio.write_parquet_atomic(schema.to_table(part, schema.CACHE_SCHEMA), layout.part_uri(str(tmp_path), (i, 2)))
+        fsio.write_parquet_atomic(schema.to_table(part, schema.CACHE_SCHEMA), paths.part_uri(str(tmp_path), (i, 2)))
     (tmp_path / "manifest.parquet" / ".part-0000-of-0002.parquet.tmp-s0-dead").write_bytes(b"torn")  # skipped
-    got = {r["relpath"]: r for r in layout.read_manifest_table(str(tmp_path)).to_pylist()}
+    got = {r["relpath"]: r for r in paths.read_manifest_table(str(tmp_path)).to_pylist()}
     assert len(got) == 3 and got["retinal_oct/a/1.dcm"]["status"] == "ok" and got["retinal_oct/c/3.dcm"]["status"] == "ok"
     assert got["retinal_oct/b/2.dcm"]["status"] == "failed" and got["retinal_oct/b/2.dcm"]["volume"] is None
     assert got["retinal_oct/b/2.dcm"]["error"] == "duplicate SOP instance UID: 1.2.3 is also retinal_oct/a/1.dcm"

@@ -83,7 +83,7 @@ def test_the_production_config_fits_a_v4_32_with_linear_attention():
     cfg = config.load(TrainConfig, PRODUCTION)
     p = plan.make_plan(cfg, "tpu-v4", chips=16)
     assert p.kernel == attention.PALLAS_FLASH and attention.MEMORY[p.kernel] == "linear"
-    assert p.batch_per_chip == 8 and p.global_batch == 128 and p.layout.accum == 1
+    assert p.batch_per_chip == 8 and p.global_batch == 128 and p.split.accum == 1
     assert p.fits and p.margin_gib > 2, p.lines()
     assert p.largest_batch >= 8
     # what the reading found: the math path keeps [B, H, N, N] float32 scores, and does not fit
@@ -138,11 +138,11 @@ def test_one_config_is_one_global_batch_on_every_machine():
     tpu, gpu, one_node = plan.make_plan(cfg, "tpu-v4", 16), plan.make_plan(cfg, "h100", 8), plan.make_plan(cfg, "h100")
     assert tpu.global_batch == gpu.global_batch == one_node.global_batch == 128
     assert (tpu.batch_per_chip, gpu.batch_per_chip, one_node.chips) == (8, 16, 8)
-    assert (tpu.layout.processes, tpu.layout.hosts, tpu.layout.per_process) == (4, 4, 32)   # SPMD: a process a host
+    assert (tpu.split.processes, tpu.split.hosts, tpu.split.per_process) == (4, 4, 32)   # SPMD: a process a host
     v5e = plan.make_plan(cfg, "tpu-v5e", 16)
     assert not v5e.fits and "chip_batch=4 keeps the global batch 128: 4 a chip x 2 accumulation steps" in v5e.suggestion
     fitted = plan.make_plan(config.load(TrainConfig, PRODUCTION, ["chip_batch=4"]), "tpu-v5e", 16)
-    assert fitted.fits and (fitted.batch_per_chip, fitted.layout.accum, fitted.global_batch) == (4, 2, 128)
+    assert fitted.fits and (fitted.batch_per_chip, fitted.split.accum, fitted.global_batch) == (4, 2, 128)
 
 
 def test_make_plan_prints_the_margin_and_exits_by_the_verdict(capsys, monkeypatch):

@@ -113,13 +113,13 @@ def test_planted_signal_is_found_and_features_are_reused(probe_run):
     pre = [p for p in metrics["probes"] if p["encoder"] == "pretrained"]   # the plots show the head chosen on val
     assert metrics["plotted_head"] == max(pre, key=lambda p: probe.val_rank(p["val_balanced_accuracy"],
                                                                             p["val_auroc"]))["head"]
-    test_devices = set(metrics["per_device"]["linear"])
+    test_devices = set(metrics["per_scanner"]["linear"])
     assert len(test_devices) >= 2 and test_devices <= {"heidelberg_spectralis", "topcon_maestro2", "topcon_triton",
                                                        "zeiss_cirrus"}
-    assert metrics["cross_device"] and all(set(row) == test_devices for row in metrics["cross_device"].values())
+    assert metrics["cross_scanner"] and all(set(row) == test_devices for row in metrics["cross_scanner"].values())
     feats = sorted((probe_run / "runs" / "p" / "probe" / "features").glob("*.npz"))
     mtimes = [f.stat().st_mtime_ns for f in feats]
-    again = probe.run(_cfg(probe_run, cross_device=False))
+    again = probe.run(_cfg(probe_run, cross_scanner=False))
     assert again["features_reused"] == {"pretrained": True, "random_init": True}
     assert [f.stat().st_mtime_ns for f in feats] == mtimes
 
@@ -127,7 +127,7 @@ def test_planted_signal_is_found_and_features_are_reused(probe_run):
 def test_random_init_draws_are_encoders_of_their_own_init_seeds(probe_run):
     """`baseline_draws` (docs/recipe.md, Probes): random-init encoders drawn with init seeds seed + 1, + 2,
     each extracted and probed under its own name, the first keeping the name it had alone."""
-    cfg = _cfg(probe_run, cross_device=False, per_device=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
+    cfg = _cfg(probe_run, cross_scanner=False, per_scanner=False, baseline_draws=2, tasks=["diabetic"], epochs=5)
     out = probe.run(cfg)
     assert set(out["features_reused"]) == {"pretrained", "random_init", "random_init_2"}
     assert {p["encoder"] for p in out["results"]["diabetic"]["probes"]} == {"pretrained", "random_init",
@@ -223,7 +223,7 @@ def test_features_killed_mid_pass_resume_from_the_rows_done(tmp_path, monkeypatc
 
 
 def test_shuffled_labels_stay_at_chance(probe_run):
-    out = probe.run(_cfg(probe_run, shuffle_labels=True, cross_device=False, baselines=False))
+    out = probe.run(_cfg(probe_run, shuffle_labels=True, cross_scanner=False, baselines=False))
     assert _score(out["results"]["study_group"], "pretrained", "linear") < 0.45
     assert _score(out["results"]["diabetic"], "pretrained", "linear") < 0.7
 

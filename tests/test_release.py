@@ -235,7 +235,7 @@ def test_a_row_skipped_as_unknown_is_read_again_once_the_table_knows_it(tmp_path
     rel = mystery.relative_to(root).as_posix()
     assert first[rel]["status"] == "skipped" and "scan_pattern unknown" in first[rel]["skip_reason"]
     ok_rel = next(k for k, r in first.items() if r["status"] == "ok")
-    rows = cache_build.layout.read_sources(cache)[0]
+    rows = cache_build.paths.read_sources(cache)[0]
     done, todo = cache_build.plan(rows, cfg, cache, (0, 1))
     assert not todo                                                     # unchanged code: nothing is read again
     # the table learns the name (an edit to manifests/protocols.py, which changes the reading key)
@@ -268,14 +268,14 @@ def test_a_corrupt_archive_in_a_repacked_bucket_is_named_on_its_rows(tmp_path):
 
 
 def test_a_file_in_two_manifest_parts_is_kept_once(tmp_path, capsys):
-    from manifests import layout, schema
+    from manifests import paths, schema
 
     row = {"relpath": "retinal_oct/x/1.dcm", "sop_instance_uid": "1.2.3", "status": "ok", "volume": "volumes/x/1.zarr"}
     other = {"relpath": "retinal_oct/x/2.dcm", "sop_instance_uid": "1.2.4", "status": "ok", "volume": "volumes/x/2.zarr"}
     (tmp_path / "manifest.parquet").mkdir()
     for shard, rows in (((0, 2), [row]), ((1, 2), [row, other])):
-        pq.write_table(schema.to_table(rows, schema.CACHE_SCHEMA), layout.part_uri(str(tmp_path), shard))
-    df = layout.read_manifest_table(str(tmp_path)).to_pandas()
+        pq.write_table(schema.to_table(rows, schema.CACHE_SCHEMA), paths.part_uri(str(tmp_path), shard))
+    df = paths.read_manifest_table(str(tmp_path)).to_pandas()
     assert sorted(df.relpath) == [row["relpath"], other["relpath"]] and (df.status == "ok").all()
     assert "listed in two manifest parts" in capsys.readouterr().err
 

@@ -5,7 +5,7 @@ all (CUDA and CPU: one process per chip; XLA SPMD: one process per host feeding 
 step is `accum` micro-steps of `per_process` volumes on every process, `per_chip` on every chip:
 global_batch = per_chip x C x accum. `accum` is the fewest micro-steps whose per-chip batch is at
 most `chip_batch` (`make plan`'s largest batch that fits; None: no cap, one pass). The trainer
-and `make plan` read the same layout; a global batch the chips cannot split evenly is refused
+and `make plan` read the same split; a global batch the chips cannot split evenly is refused
 with the numbers.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from octfm.config import FieldError
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Split:
     global_batch: int   # volumes per optimizer step
     chips: int          # accelerators (CPU: processes) in the run
     processes: int      # data-loading processes (CUDA and CPU: one per chip; XLA SPMD: one per host)
@@ -40,8 +40,8 @@ class Layout:
         return s
 
 
-def layout(global_batch: int, chip_batch: int | None, chips: int, processes: int, hosts: int = 1) -> Layout:
-    """The layout of `global_batch` on `chips` chips fed by `processes` processes on `hosts` hosts,
+def split(global_batch: int, chip_batch: int | None, chips: int, processes: int, hosts: int = 1) -> Split:
+    """The split of `global_batch` on `chips` chips fed by `processes` processes on `hosts` hosts,
     with at most `chip_batch` volumes a chip per micro-step (None: the whole share at once).
     Refuses (FieldError on global_batch or chip_batch) a batch the chips or hosts cannot split."""
     if chips < 1 or processes < 1 or hosts < 1 or chips % processes or processes % hosts:
@@ -56,4 +56,4 @@ def layout(global_batch: int, chip_batch: int | None, chips: int, processes: int
     if accum is None:  # only when cap < 1, which the config refuses
         raise FieldError("chip_batch", f"{chip_batch}: needs at least 1")
     per_chip = share // accum
-    return Layout(global_batch, chips, processes, hosts, accum, per_chip, per_chip * (chips // processes))
+    return Split(global_batch, chips, processes, hosts, accum, per_chip, per_chip * (chips // processes))

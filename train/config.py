@@ -6,7 +6,7 @@ Loaded through octfm.config, so unknown keys are refused by name and `null` stay
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from octfm import config
 from octfm.config import ConfigError, FieldError
@@ -14,9 +14,10 @@ from octfm.config import ConfigError, FieldError
 
 @dataclasses.dataclass
 class DataConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"devices": "scanners"}   # read under the old name for one release
     cache: str = "data/cache"                      # local cache root (after `make stage`)
     splits: list[str] = dataclasses.field(default_factory=lambda: ["train"])
-    devices: list[str] | None = None               # None: every device (multi-domain)
+    scanners: list[str] | None = None              # the manifest's `device` values kept; None: every scanner
     stride: tuple[int, int, int] = (1, 1, 1)       # host-side subsampling of the cached grid
     input_shape: tuple[int, int, int] = (64, 384, 384)  # random crop (D, H, W) fed to the model
     flip_prob: float = 0.5                         # left-right flip (columns)
@@ -225,7 +226,7 @@ def saved_config(saved: dict, uri: str, world: int = 1) -> TrainConfig:
     older code: refused with the tag that reads it, never filled in with today's defaults (a
     missing model.stem would build another encoder than the one whose weights it holds). A
     RETIRED key at its value is dropped."""
-    saved = _without_retired(per_process_batch(saved, world), uri)
+    saved = _without_retired(per_process_batch(config.renamed(TrainConfig, saved, where=uri, say=False), world), uri)
     have, want = _key_paths(saved), _key_paths(config.to_dict(TrainConfig()))
     if have != want:
         parts = [f"its config has {', '.join(sorted(have - want))}" if have - want else "",

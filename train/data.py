@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from cache import store
-from manifests import layout
+from manifests import paths
 from octfm.errors import DataError
 from train import masks as M
 from train.config import DataConfig, MaskConfig
@@ -37,17 +37,17 @@ def normalize(x_u8: torch.Tensor, aug: torch.Tensor | None = None, mean: float =
     return (x - mean) / std
 
 
-def select_rows(cache: str, splits, devices, labelled: bool = False) -> list[dict]:
-    """Manifest rows usable for training: status ok, in the splits and devices asked for (and
+def select_rows(cache: str, splits, scanners, labelled: bool = False) -> list[dict]:
+    """Manifest rows usable for training: status ok, in the splits and scanners asked for (and
     with a label, for whatever trains or scores on labels). The one reader of the manifest for
     training and evaluation, sorted by path."""
     try:
-        table = layout.read_manifest_table(cache)
+        table = paths.read_manifest_table(cache)
     except FileNotFoundError:
-        raise DataError(f"data.cache: no manifest at {layout.manifest_uri(cache)} "
+        raise DataError(f"data.cache: no manifest at {paths.manifest_uri(cache)} "
                          "(run `make cache` / `make stage` first)") from None
     rows = [r for r in table.to_pylist() if r["status"] == "ok" and r["split"] in splits
-            and (devices is None or r["device"] in devices) and not (labelled and r["label"] is None)]
+            and (scanners is None or r["device"] in scanners) and not (labelled and r["label"] is None)]
     return sorted(rows, key=lambda r: r["relpath"])
 
 

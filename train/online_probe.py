@@ -29,7 +29,7 @@ def evenly_spaced(rows: list[dict], cap: int) -> list[dict]:
 def probe_rows(cfg: TrainConfig) -> dict[str, list[dict]]:
     """The labelled train and val rows the online probe encodes (capped by online_probe.max_*)."""
     caps = {"train": cfg.online_probe.max_train, "val": cfg.online_probe.max_val}
-    return {split: evenly_spaced(data.select_rows(cfg.data.cache, [split], cfg.data.devices, labelled=True), cap)
+    return {split: evenly_spaced(data.select_rows(cfg.data.cache, [split], cfg.data.scanners, labelled=True), cap)
             for split, cap in caps.items()}
 
 

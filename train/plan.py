@@ -215,7 +215,7 @@ class Plan:
     accel: str
     kernel: str
     shapes: Shapes
-    layout: batching.Layout
+    split: batching.Split
     params_m: float
     static_gib: dict
     per_sample_gib: dict
@@ -231,15 +231,15 @@ class Plan:
 
     @property
     def chips(self) -> int:
-        return self.layout.chips
+        return self.split.chips
 
     @property
     def batch_per_chip(self) -> int:
-        return self.layout.per_chip
+        return self.split.per_chip
 
     @property
     def global_batch(self) -> int:
-        return self.layout.global_batch
+        return self.split.global_batch
 
     def estimate(self) -> dict | None:
         """Step seconds, days for max_steps and chip-hours at the assumed utilisation (an estimate)."""
@@ -250,7 +250,7 @@ class Plan:
         total_s = step_s * self.max_steps
         return {"step_s": step_s, "days": total_s / 86400, "chip_hours": total_s * self.chips / 3600,
                 "utilisation": acc.utilisation,
-                "loader_cores": LOADER_CORE_S * self.layout.per_host / step_s}
+                "loader_cores": LOADER_CORE_S * self.split.per_host / step_s}
 
     def lines(self) -> list[str]:
         shp, b = self.shapes, self.batch_per_chip
@@ -260,13 +260,13 @@ class Plan:
         rows = list(self.static_gib.items())
         rows += [(f"{k} x {b:g}", v * b) for k, v in self.per_sample_gib.items()]
         width = max(len(k) for k, _ in rows) + 2
-        hosts = self.layout.hosts
+        hosts = self.split.hosts
         out = [
             f"plan: {self.config} on {self.chips} x {self.accel} ({hosts} host(s) of {acc.chips_per_host}; CHIPS=N for "
             f"another count): attention {self.kernel} ({attention.MEMORY[self.kernel]} in the sequence)",
             f"  {self.params_m:.1f} M student parameters; {shp.tokens} tokens per sample, per mask set context + "
             f"targets {seqs} (the predictor's sequence)",
-            f"  {self.layout.describe(shp.tokens)}",
+            f"  {self.split.describe(shp.tokens)}",
             "  GiB per chip:",
             *(f"    {k:<{width}}{v:8.2f}" for k, v in rows),
             f"    {'peak (forward and backward)':<{width}}{self.peak_gib:8.2f}   of {self.capacity_gib:.1f} usable"
@@ -285,7 +285,7 @@ class Plan:
                 f"plan: ESTIMATE (assumed {est['utilisation']:.0%} of the {acc.bf16_tflops:g} TFLOP/s bf16 peak per "
                 f"chip, not measured): {est['step_s']:.2f} s a step; {self.max_steps:,} steps in {est['days']:.1f} days, "
                 f"{est['chip_hours']:,.0f} chip-hours on {self.chips} chips",
-                f"  the loader at that pace: {self.layout.per_host} volumes a host a step at {LOADER_CORE_S * 1000:.0f} ms "
+                f"  the loader at that pace: {self.split.per_host} volumes a host a step at {LOADER_CORE_S * 1000:.0f} ms "
                 f"of a core each need {est['loader_cores']:.1f} cores a host (data.workers)",
             ]
         return out
@@ -334,7 +334,7 @@ def make_plan(cfg: TrainConfig, accel: str, chips: int | None = None, name: str 
     acc = ACCELERATORS[accel]
     chips = chips or acc.chips_per_host
     processes, hosts = machine(acc, chips)
-    lay = batching.layout(cfg.global_batch, cfg.chip_batch, chips, processes, hosts)
+    lay = batching.split(cfg.global_batch, cfg.chip_batch, chips, processes, hosts)
     kernel = kernel or attention.kernel_for(acc.device, acc.platform)
     act = 2 if cfg.precision == "bf16" else 4
     shp = shapes(cfg)
@@ -347,7 +347,7 @@ def make_plan(cfg: TrainConfig, accel: str, chips: int | None = None, name: str 
     fits = need <= capacity
     suggestion = None
     if not fits and largest:
-        fit = batching.layout(cfg.global_batch, largest, chips, processes, hosts)
+        fit = batching.split(cfg.global_batch, largest, chips, processes, hosts)
         suggestion = (f"chip_batch={largest} keeps the global batch {cfg.global_batch}: {fit.per_chip} a chip x "
                       f"{fit.accum} accumulation steps (ARGS='chip_batch={largest}', or chip_batch: in the config)")
     return Plan(name, accel, kernel, shp, lay, params["student"] / 1e6,

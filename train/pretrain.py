@@ -41,13 +41,13 @@ class Trainer(TrainLoop):
                          cfg.optim.spike_factor)
         checkpoint.require_shared(self.ckpt_dir, rt.hosts)
         torch.manual_seed(cfg.seed)
-        self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
+        self.rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.scanners)
         if not self.rows:
             raise cli.UsageError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} "
-                                 f"and devices {cfg.data.devices}")
-        self.layout = batching.layout(cfg.global_batch, cfg.chip_batch, rt.chips, rt.world, rt.hosts)
+                                 f"and scanners {cfg.data.scanners}")
+        self.split = batching.split(cfg.global_batch, cfg.chip_batch, rt.chips, rt.world, rt.hosts)
         self.shares, self.sizes = shares.run_shares(cfg, self.rows, rt.host, rt.hosts)
-        self.epoch_len = shares.epoch_length([len(s) for s in self.shares], self.layout.per_process * rt.local_world)
+        self.epoch_len = shares.epoch_length([len(s) for s in self.shares], self.split.per_process * rt.local_world)
         self.resident = None  # the training volumes on the device (data.resident), loaded when the loop starts
         self.on_device: bool | None = None  # whether this run crops resident volumes: decided once (wants_resident)
         if data.loader_workers(cfg.data.workers) > 0:
@@ -116,10 +116,10 @@ class Trainer(TrainLoop):
         return uri
 
     def _resume_position(self, uri: str, st: dict) -> int:
-        """The checkpoint's place in the data, converted to this run's layout (global batch,
+        """The checkpoint's place in the data, converted to this run's batch split (global batch,
         processes, hosts: shares.start_for); refused when no whole number of this run's micro-steps
         reaches it."""
-        rt, lay, pos = self.rt, self.layout, st["data_position"]
+        rt, lay, pos = self.rt, self.split, st["data_position"]
         old_world = int(st["world"])
         old_batch = int(per_process_batch(st["config"], old_world)["global_batch"])
         start, note = shares.start_for(pos, self.sampler(), rt.hosts)
@@ -183,7 +183,7 @@ class Trainer(TrainLoop):
     def sampler(self, start_batch: int = 0, stop_batch: int | None = None) -> shares.ShareSampler:
         """This process's stream of the training data: its host's share (train/shares.py)."""
         rt = self.rt
-        return shares.ShareSampler(self.shares[rt.host], self.epoch_len, self.layout.per_process,
+        return shares.ShareSampler(self.shares[rt.host], self.epoch_len, self.split.per_process,
                                    rt.local_rank, rt.local_world, self.cfg.seed,
                                    start_batch, stop_batch)
 
@@ -198,7 +198,7 @@ class Trainer(TrainLoop):
         `worker_log`: each worker notes its start there (data.note_worker_start)."""
         cfg = self.cfg
         ds = data.CacheDataset(rows, cfg.data, cfg.mask, self.grid, self.mask_sizes, seed, augment, volumes)
-        return data.batch_loader(ds, self.layout.per_process, sampler, cfg.data.workers, cfg.data.start_method,
+        return data.batch_loader(ds, self.split.per_process, sampler, cfg.data.workers, cfg.data.start_method,
                                  pin=self.rt.kind == "cuda", prefetch_factor=cfg.data.prefetch_factor,
                                  worker_log=worker_log)
 
@@ -267,8 +267,8 @@ class Trainer(TrainLoop):
     def validate(self) -> dict | None:
         cfg = self.cfg
         if self._val is None:  # built once: the rows are read once and the workers persist
-            rows = shares.validation_rows(cfg, data.select_rows(cfg.data.cache, ["val"], cfg.data.devices))
-            b, world = self.layout.per_process, self.rt.world
+            rows = shares.validation_rows(cfg, data.select_rows(cfg.data.cache, ["val"], cfg.data.scanners))
+            b, world = self.split.per_process, self.rt.world
             if len(rows) < b * world:
                 self._val = (0, None)
             else:
@@ -279,7 +279,7 @@ class Trainer(TrainLoop):
         if dl is None:
             return None
         it = iter(self.rt.loader(dl))
-        n = min(cfg.val_batches, n_rows // (self.layout.per_process * self.rt.world))
+        n = min(cfg.val_batches, n_rows // (self.split.per_process * self.rt.world))
         if n < 1:  # val_batches: 0
             return None
         total = 0.0  # a Python number until the first loss: a zeros tensor made here was a graph of its own on
@@ -319,7 +319,7 @@ class Trainer(TrainLoop):
         on_device = todo and self.wants_resident()
         sampler = it = None
         if todo:
-            sampler, dl = self.train_loader(self.consumed, self.consumed + (cfg.max_steps - self.step) * self.layout.accum,
+            sampler, dl = self.train_loader(self.consumed, self.consumed + (cfg.max_steps - self.step) * self.split.accum,
                                             volumes=not on_device, worker_log=startup.worker_log)
             it = iter(self.rt.loader(dl))
         startup.lap("loader")
@@ -338,7 +338,7 @@ class Trainer(TrainLoop):
         startup = Startup(log, show=rt.is_master and not bar.disable)
         postfix: dict = {}
         sampler, it = self._start(startup, log, bar, postfix)
-        accum = self.layout.accum
+        accum = self.split.accum
         first_loss = last_loss = None
         t_last, wait, samples = time.perf_counter(), 0.0, 0
         self.start_clock()
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pretrain: {cfg.name} on {rt.kind} x{rt.world}, {len(trainer.rows)} volumes, grid {trainer.grid}, "
               f"tokens ctx/tgt per set {[(s.context_cells * trainer.grid.depth, s.target_cells * trainer.grid.depth) for s in trainer.mask_sizes]}, "
               f"{where}; objective: {objective(cfg.loss)}")
-        print(f"pretrain: {trainer.layout.describe(trainer.grid.tokens)}")
+        print(f"pretrain: {trainer.split.describe(trainer.grid.tokens)}")
         print(f"pretrain: {trainer.share_line()}")
     out = trainer.run(progress=not a.no_progress)
     rt.shutdown()

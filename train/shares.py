@@ -50,7 +50,7 @@ def listed_bytes(cache: str, volumes) -> dict[str, int]:
 
 def deal(rows: list[dict], sizes: dict[str, int], hosts: int) -> list[int]:
     """The host of each row: per device (in name order), rows largest first (ties by path), dealt
-    in one snake order that runs on across devices. Every host gets the same number of rows to
+    in one snake order that runs on across scanners. Every host gets the same number of rows to
     within one, and of each device's bytes close to a 1/hosts part (the snake pairs a large
     volume with a small one in each round)."""
     if hosts == 1:
@@ -170,7 +170,7 @@ def host_reads(cfg, rows: list[dict], sizes: dict[str, int] | None, host: int, h
 
     volumes = {rows[i]["volume"] for i in shares(rows, sizes, hosts)[host]}
     if cfg.val_every:
-        val = data.select_rows(cfg.data.cache, ["val"], cfg.data.devices)
+        val = data.select_rows(cfg.data.cache, ["val"], cfg.data.scanners)
         volumes |= {r["volume"] for r in validation_rows(cfg, val)}
     if cfg.eval_every:
         volumes |= {r["volume"] for split in online_probe.probe_rows(cfg).values() for r in split}
@@ -184,29 +184,29 @@ def stage_plan(cfg, listing: dict[str, int], host: int, hosts: int) -> tuple[lis
     of the cache outside the volumes (manifest, sources), and the volumes host_reads names. The
     record holds every training volume's bytes, so the trainer deals the same shares from the
     staged copy, which lacks the other hosts' volumes."""
-    from manifests import layout
+    from manifests import paths
     from train import data
 
     if not 0 <= host < hosts:
         raise DataError(f"HOST={host}: needs 0 <= HOST < HOSTS={hosts}")
-    every = {r["volume"] for r in layout.read_manifest_table(cfg.data.cache).to_pylist() if r["volume"]}
-    rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.devices)
+    every = {r["volume"] for r in paths.read_manifest_table(cfg.data.cache).to_pylist() if r["volume"]}
+    rows = data.select_rows(cfg.data.cache, cfg.data.splits, cfg.data.scanners)
     if not rows:
-        raise DataError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} and devices "
-                        f"{cfg.data.devices}")
+        raise DataError(f"data: no ok volumes in {cfg.data.cache} for splits {cfg.data.splits} and scanners "
+                        f"{cfg.data.scanners}")
     sizes = volume_bytes(listing, [r["volume"] for r in rows])
     reads = host_reads(cfg, rows, sizes, host, hosts)
-    paths = []
+    copied = []
     for path in listing:
         parent = posixpath.dirname(path)
         while parent and parent not in every:
             parent = posixpath.dirname(parent)
         if not parent or parent in reads:
-            paths.append(path)
+            copied.append(path)
     share = sum(sizes[v] for v in reads if v in sizes)
     record = {"host": host, "hosts": hosts, "source": cfg.data.cache, "volumes": sorted(reads),
               "share_bytes": share, "training_bytes": sum(sizes.values()), "bytes": sizes}
-    return sorted(paths), record
+    return sorted(copied), record
 
 
 def read_stage_record(cache: str) -> dict | None:
