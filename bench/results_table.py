@@ -64,11 +64,11 @@ def record(result: dict, date: str = "") -> dict:
                          "ci95": [None if v is None else round(v, 3) for v in b["difference_ci95"]],
                          "pretrained": round(b["pretrained"], 3), "random_init": round(b["random_init"], 3),
                          "random_draws": result.get("random_draws", 1)},
-            "verdicts": {q: outcome(line) for q, line in verdict_lines(result).items()},
+            "verdicts": {q: outcome(line) for q, line in asked_verdicts(result).items()},
             "wall_s": wall_s(result.get("stages", {})), "commit": result["commit"], "date": date}
 
 
-def verdict_lines(result: dict) -> dict:
+def asked_verdicts(result: dict) -> dict:
     """Each asked question's verdict line (check/verdicts.py keeps them where the check writes them)."""
     tuned = result.get("finetune") or {}
     lines = {"learns": result["verdict"], "label_efficiency": (result.get("label_efficiency") or {}).get("verdict"),

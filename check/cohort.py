@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cache import build as cache_build
 from cache.config import CacheConfig
-from check.run_names import COHORT_CODE, code_key
+from check.run_names import COHORT_CODE, run_code_key
 from ingest import synth
 from octfm import config
 
@@ -54,7 +54,7 @@ def cohort(root: Path, cfg: synth.SynthConfig) -> str:
     """The generated cohort, written once per generator config and generator code (a marker names both)."""
     participants = cfg.participants
     marker = root / "cohort.json"
-    want = json.dumps({**dataclasses.asdict(cfg), "code": code_key(COHORT_CODE)}, sort_keys=True)
+    want = json.dumps({**dataclasses.asdict(cfg), "code": run_code_key(COHORT_CODE)}, sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
         counts = synth.generate(root, cfg, progress=True)
         print(f"learning-check: cohort of {participants} participants, {counts['good']} volumes in {root}")

@@ -311,7 +311,7 @@ def interim(about: dict, pcfg: ProbeConfig, f: dict, n_boot: int, dest: Path, to
     return head
 
 
-def parse(argv: Sequence[str] | None = None) -> CheckConfig | str:
+def command_line(argv: Sequence[str] | None = None) -> CheckConfig | str:
     """The command line as a CheckConfig (each flag a key of it; `--set KEY=VALUE` any key, last),
     or `--line`'s run folder."""
     ap = argparse.ArgumentParser(prog="make learning-check", description=__doc__, argument_default=argparse.SUPPRESS)
@@ -363,7 +363,7 @@ def parse(argv: Sequence[str] | None = None) -> CheckConfig | str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse(argv)
+    cfg = command_line(argv)
     if isinstance(cfg, str):
         print(probe_line(RunFolder(cfg).probe))
         return 0

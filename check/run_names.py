@@ -32,7 +32,7 @@ def keyed_files(code: Sequence[str]) -> list[str]:
     return [f for f in config.import_closure(*code) if f not in NOT_KEYED]
 
 
-def code_key(code: Sequence[str], length: int = 12) -> str:
+def run_code_key(code: Sequence[str], length: int = 12) -> str:
     """The content key of keyed_files(code) (config.code_key, which the evaluation's kept results use too)."""
     return config.code_key(code, exclude=tuple(NOT_KEYED), length=length)
 
@@ -55,7 +55,7 @@ def recipe_name(config_path: str, cache: str, overrides: Sequence[str], code: Se
     """A run name per recipe, cache (its path and contents) and code, so a changed ARGS, SOURCE, cohort or
     trainer (the sources under `code`) trains afresh and an unchanged one resumes; an edit to the probes alone
     keeps the pretraining."""
-    blob = "\n".join([Path(config_path).read_text(), cache, cache_contents(cache), *overrides, code_key(code)])
+    blob = "\n".join([Path(config_path).read_text(), cache, cache_contents(cache), *overrides, run_code_key(code)])
     return "pretrain_" + hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -70,4 +70,4 @@ def finetune_tag(init: str, fraction: float, train_seed: int | None, seed: int) 
     its participants (a re-run with `--probe seed=N` draws others: a run is reused only for the very
     participants it trained on), training seed and the fine-tuning code (FINETUNE_CODE)."""
     return (f"{init}_{percent(fraction)}pct_s{seed}" + ("" if train_seed is None else f"_t{train_seed}") +
-            "_" + code_key(FINETUNE_CODE, length=8))
+            "_" + run_code_key(FINETUNE_CODE, length=8))

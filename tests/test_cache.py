@@ -177,7 +177,7 @@ def test_killed_build_resumes_to_the_same_result(tmp_path):
         assert not [p for p in cache.rglob("*") if ".tmp-" in p.name], "temp arrays left behind"
 
 
-@pytest.mark.slow  # about 35 s on 2 cores (stop 53: make test over its 7 minutes): the heavy lane, which CI runs
+@pytest.mark.slow  # about 35 s on 2 cores: the heavy lane, which CI runs
 def test_shards_write_parts_that_read_back_as_one_table(synth_tree, tmp_path):
     cache = tmp_path / "cache"
     hosts = [(["--shard", "0/3"], {}, "from SHARD=0/3"),                                # explicit

@@ -1,6 +1,6 @@
 """`make cache` checks the bytes it reads against the mirror record: SHA-1 where the source listing
 had one (B2's small files, a local copy), MD5 where it had only that (S3 ETags, B2 large files).
-Each check is tested on its own record (issue 75, item 4): a record with an MD5 and no SHA-1 is what
+Each check is tested on its own record: a record with an MD5 and no SHA-1 is what
 an S3 or B2 listing gives, and no other fast test tampers a file under one, so a worker that let an
 MD5 mismatch through would pass."""
 from __future__ import annotations

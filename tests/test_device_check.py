@@ -165,7 +165,7 @@ def test_learning_check_device_builds_the_check_command_from_make_variables(tmp_
 
     assert set(HELD_OUT_CUES) == {c for c, cue in learning_check.CUES.items() if cue.protocol != "splits"}
     for c in (cmd, smoke, two, off, scanners):                   # each a command line the check takes
-        learning_check.parse(c[c.index("--size"):])
+        learning_check.command_line(c[c.index("--size"):])
 
 
 def test_learning_check_device_brings_back_the_log_and_results_of_a_run_cut_short(tmp_path, monkeypatch, capfd):

@@ -426,7 +426,7 @@ def test_the_default_check_trains_no_reference_and_label_efficiency_on_request()
     """The default asks whether pretraining learns (no supervised reference: one costs more than the rest
     of the check); --label-efficiency (LABELS=1) trains the 10% reference, --curve (CURVE=1) all three,
     whichever order they come in."""
-    parse = learning_check.parse
+    parse = learning_check.command_line
     assert parse([]).reference_fractions == () and parse(["--curve"]).reference_fractions == FRACTIONS
     assert parse(["--label-efficiency"]).reference_fractions == (0.1,)
     assert parse(["--curve", "--label-efficiency"]).reference_fractions == FRACTIONS
@@ -443,13 +443,13 @@ def test_the_default_check_trains_no_reference_and_label_efficiency_on_request()
 
 def test_an_unknown_check_key_is_refused_by_name():
     with pytest.raises(config.ConfigError, match="unknown key 'random_draw'"):
-        learning_check.parse(["--set", "random_draw=2"])
+        learning_check.command_line(["--set", "random_draw=2"])
     with pytest.raises(config.ConfigError, match="unknown key 'curve'"):
         config.from_dict(CheckConfig, {"curve": True})
     with pytest.raises(config.ConfigError, match="reference_fractions.*not on the label-efficiency curve"):
-        learning_check.parse(["--set", "reference_fractions=[0.5]"])
+        learning_check.command_line(["--set", "reference_fractions=[0.5]"])
     with pytest.raises(config.ConfigError, match="FT_SEEDS"):                 # fine-tuning seeds without fine-tuning
-        learning_check.parse(["--finetune-seeds", "3"])
+        learning_check.command_line(["--finetune-seeds", "3"])
 
 
 def test_the_scanners_cue_refuses_the_questions_it_does_not_ask_by_name():
@@ -460,9 +460,9 @@ def test_the_scanners_cue_refuses_the_questions_it_does_not_ask_by_name():
                        (["--finetune-fraction", "0.5"], "FINETUNE=1"),
                        (["--finetune", "--finetune-seeds", "2"], "FINETUNE=1")):
         with pytest.raises(config.ConfigError, match=f"scanners.*{flag}"):
-            learning_check.parse(["--cue", "scanners", *argv])
-        assert learning_check.parse(["--cue", "layers", *argv]).cue == "layers"
-    assert learning_check.parse(["--cue", "scanners"]).cue == "scanners"   # the question it asks
+            learning_check.command_line(["--cue", "scanners", *argv])
+        assert learning_check.command_line(["--cue", "layers", *argv]).cue == "layers"
+    assert learning_check.command_line(["--cue", "scanners"]).cue == "scanners"   # the question it asks
 
 
 def test_the_label_efficiency_heads_train_the_full_splits_steps(monkeypatch):

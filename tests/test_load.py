@@ -62,7 +62,7 @@ def test_thousands_of_volumes_build_in_bounded_memory(tmp_path):
     assert c_large - c_small < 60, sizes
 
 
-@pytest.mark.slow  # about 27 s on 2 cores (stop 53: make test at its 7 minutes): the heavy lane, which CI runs
+@pytest.mark.slow  # about 27 s on 2 cores: the heavy lane, which CI runs
 def test_a_25000_row_manifest_is_built_whole(tmp_path):
     root = tmp_path / "ds"
     synth.generate(root, synth.SynthConfig(participants=11112, seed=1, bad_files=False, placeholders=True))

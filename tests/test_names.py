@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from conftest import REPO
 
-PACKAGES = ("octfm", "ingest", "manifests", "cache", "train", "evals", "bench", "report")
+PACKAGES = ("octfm", "ingest", "manifests", "cache", "train", "evals", "check", "bench", "report")
 # names that are an interface, one per module by design
 ENTRY = {
     "main",     # each stage module's CLI entry (octfm.cli.run(main))
