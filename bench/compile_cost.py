@@ -85,7 +85,7 @@ def step_inputs(cfg, grid, sizes, batch: int):
     x = torch.randint(0, 256, (batch, 1, *cfg.data.input_shape), dtype=torch.uint8)
     aug = torch.tensor([[1.0, 0.0]] * batch)
     pairs = [(torch.randint(0, grid.tokens, (batch, s.context_cells * grid.depth), dtype=torch.int32),
-              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32), None)
+              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32))
              for s in sizes]
     return x, aug, pairs
 
@@ -106,7 +106,7 @@ def eager_step(student, target, x, aug, pairs):
 def block_calls(cfg, grid, sizes) -> dict:
     """signature -> calls per step, for every transformer block call of one step, from an eager
     step on fake tensors. A signature is what a compiled block's guards tell apart: the input's
-    shape and dtype, the attention mask's shape, grad mode and whether the input needs a grad."""
+    shape and dtype, grad mode and whether the input needs a grad."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from train.model import Block
@@ -115,9 +115,9 @@ def block_calls(cfg, grid, sizes) -> dict:
     seen = collections.Counter()
 
     def hook(mod, args):
-        x, keep = (tuple(args) + (None,))[:2]
-        seen[(tuple(x.shape), str(x.dtype).removeprefix("torch."), mod.attn.heads,
-              None if keep is None else tuple(keep.shape), torch.is_grad_enabled(), x.requires_grad)] += 1
+        (x,) = args
+        seen[(tuple(x.shape), str(x.dtype).removeprefix("torch."), mod.attn.heads, torch.is_grad_enabled(),
+              x.requires_grad)] += 1
 
     for m in [*student.modules(), *target.modules()]:
         if isinstance(m, Block):
@@ -215,12 +215,11 @@ def per_block(signatures: dict, mlp_ratio: float) -> dict:
 
     out = {}
     for sig in signatures:
-        shape, dtype, heads, keep, grad, needs_grad = sig
+        shape, dtype, heads, grad, needs_grad = sig
         blk = Block(shape[-1], heads, mlp_ratio)
         x = torch.zeros(shape, dtype=getattr(torch, dtype), requires_grad=needs_grad)
-        mask = None if keep is None else torch.ones(keep, dtype=torch.bool)
         with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
-            out[str(sig)] = front_end(blk, x, mask, dynamic=False)
+            out[str(sig)] = front_end(blk, x, dynamic=False)
     return {"graphs": out, "total_s": round(sum(r["total_s"] for r in out.values()), 2)}
 
 
@@ -265,7 +264,7 @@ def step(m):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m(x).float().sum().backward()
 with torch.autocast("cpu", dtype=torch.bfloat16):
-    fe = front_end(blk, x, None, dynamic=False)
+    fe = front_end(blk, x, dynamic=False)
 step(blk)
 t = time.perf_counter(); step(blk); eager = time.perf_counter() - t
 compilation_time_metrics.clear()
@@ -301,7 +300,7 @@ def warm_up() -> float:
 
     t = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        front_end(Block(16, 2, 4.0), torch.zeros(1, 8, 16, requires_grad=True), None, dynamic=False)
+        front_end(Block(16, 2, 4.0), torch.zeros(1, 8, 16, requires_grad=True), dynamic=False)
     return round(time.perf_counter() - t, 2)
 
 

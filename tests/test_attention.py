@@ -1,5 +1,5 @@
 """train/attention.py: which kernel each backend gets, and that the TPU kernel's wrapper (padding
-to the Pallas block sizes, segment ids for padding and `keep`, the scale, the SPMD layout) computes
+to the Pallas block sizes, segment ids for the padding, the scale, the SPMD layout) computes
 plain softmax attention. The Pallas kernel itself needs a TPU: a stand-in with its documented
 semantics (torch_xla's FlashAttention: q blocks of min(512, N) that must divide N; keys padded
 with zeros; segment ids; sm_scale defaulting to 1) takes its place and records what it is given."""
@@ -12,10 +12,8 @@ from train import attention, model
 from train.config import ModelConfig
 
 
-def reference(q, k, v, keep=None):
+def reference(q, k, v):
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if keep is not None:
-        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
     return (s.softmax(-1) @ v.double()).to(q.dtype)
 
 
@@ -60,25 +58,18 @@ def test_each_backend_gets_a_kernel_whose_memory_is_linear_but_xla_off_tpu():
 
 
 @pytest.mark.parametrize("n", [72, 128, 300, 512, 513, 2760])
-@pytest.mark.parametrize("masked", [False, True])
-def test_the_tpu_wrapper_pads_to_whole_blocks_and_matches_softmax_attention(pallas, n, masked):
+def test_the_tpu_wrapper_pads_to_whole_blocks_and_matches_softmax_attention(pallas, n):
     torch.manual_seed(n)
     b, h, dh = (2, 3, 16) if n <= 1024 else (1, 1, 16)  # the longest sequence alone: its double-precision scores
     q, k, v = (torch.randn(b, h, n, dh) for _ in range(3))
-    keep = None
-    if masked:
-        keep = torch.rand(b, n) > 0.3
-        keep[:, 0] = True
-    out = attention.pallas_flash(q, k, v, keep)
+    out = attention.pallas_flash(q, k, v)
     assert out.shape == q.shape
-    valid = slice(None) if keep is None else keep  # padded queries' outputs are never read
-    got, want = out.transpose(1, 2)[valid], reference(q, k, v, keep).transpose(1, 2)[valid]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, reference(q, k, v), rtol=1e-5, atol=1e-5)
     (call,) = pallas.calls
     n_pad = call["shape"][2]
     assert n_pad == attention.pallas_length(n) and n_pad >= n
     assert n_pad % (128 if n <= 512 else 512) == 0
-    assert call["segments"] == (masked or n_pad != n)  # no segment ids when nothing is padded or masked
+    assert call["segments"] == (n_pad != n)  # no segment ids when nothing is padded
     assert call["scale"] == pytest.approx(dh ** -0.5)
     assert call["spec"] == ("data", None, None, None) and call["mesh"] == "mesh"
 
@@ -88,9 +79,9 @@ def test_the_model_routes_through_attend(monkeypatch):
     seen = []
     real = attention.attend
 
-    def spy(q, k, v, keep=None):
+    def spy(q, k, v):
         seen.append(tuple(q.shape))
-        return real(q, k, v, keep)
+        return real(q, k, v)
 
     monkeypatch.setattr(attention, "attend", spy)
     cfg = ModelConfig(dim=32, depth=2, heads=2, pred_dim=16, pred_depth=1, pred_heads=2)
@@ -116,14 +107,11 @@ def sdpa_flags():
 def test_cuda_kernels_never_include_the_math_path(sdpa_flags, monkeypatch):
     """On CUDA SDPA may choose among flash and memory-efficient only (cuDNN first with
     OCTFM_SDPA_CUDNN=1), set once for the process by the first fused call, not per call (the CPU
-    runs the same call: its flash kernel, with and without a mask)."""
+    runs the same call: its flash kernel)."""
     monkeypatch.delenv(attention.CUDNN_ENV, raising=False)
     attention._FUSED_ONLY = False
     q = torch.randn(2, 2, 40, 8)
-    keep = torch.rand(2, 40) > 0.5
-    keep[:, 0] = True
-    for m in (None, keep):
-        torch.testing.assert_close(attention.sdpa_fused(q, q, q, m), reference(q, q, q, m), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(attention.sdpa_fused(q, q, q), reference(q, q, q), rtol=1e-4, atol=1e-4)
     assert attention._FUSED_ONLY
     assert not torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()

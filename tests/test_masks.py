@@ -15,8 +15,7 @@ def test_mask_invariants(shape, tubelet):
     for _ in range(200):
         sets = M.sample_masks(grid, cfg, sizes, rng)
         assert len(sets) == 2
-        for (ctx, tgt, blocks, valid), size, set_cfg in zip(sets, sizes, cfg.sets):
-            assert valid is None
+        for (ctx, tgt, blocks), size, set_cfg in zip(sets, sizes, cfg.sets):
             assert len(ctx) == size.context_cells * grid.depth and len(tgt) == size.target_cells * grid.depth
             assert len(np.intersect1d(ctx, tgt)) == 0
             assert ctx.min() >= 0 and tgt.max() < grid.tokens
@@ -50,33 +49,10 @@ def test_masks_are_reproducible_from_the_seed():
     sizes = M.calibrate(grid, cfg)
     a = M.sample_masks(grid, cfg, sizes, np.random.default_rng([0, 3, 7]))
     b = M.sample_masks(grid, cfg, sizes, np.random.default_rng([0, 3, 7]))
-    for (c1, t1, _, _), (c2, t2, _, _) in zip(a, b):
+    for (c1, t1, _), (c2, t2, _) in zip(a, b):
         assert (c1 == c2).all() and (t1 == t2).all()
 
 
-
-
-def test_padding_is_invisible_to_the_encoder_and_predictor():
-    """What sits in the padded slots changes no output at a real context or target position."""
-    import torch
-
-    from train.config import ModelConfig
-    from train.model import JEPA
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(tubelet=(4, 16, 16), dim=32, depth=2, heads=2, pred_dim=16, pred_depth=1, pred_heads=2)
-    model = JEPA(cfg, (16, 48, 48)).eval()
-    x = torch.randn(1, 1, 16, 48, 48)
-    real = torch.tensor([[0, 5, 9, 20]])
-    tgt = torch.tensor([[1, 2, 30]])
-    valid = torch.tensor([[True, True, True, True, False, False]])
-    outs = []
-    for pad in ([0, 0], [33, 17]):
-        ctx = torch.cat([real, torch.tensor([pad])], 1)
-        with torch.no_grad():
-            h = model.encoder(x, ctx, valid)
-            outs.append((h[:, :4], model.predictor(h, ctx, tgt, valid)))
-    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
 
 
 def test_conv_stem_keeps_the_token_grid_and_rejects_indivisible_tubelets():
@@ -193,18 +169,16 @@ def test_one_tokenisation_per_step_gives_the_per_mask_set_loss_and_gradients():
                       pred_depth=1, pred_heads=2)
     model = JEPA(cfg, (8, 32, 64), LossConfig(local=1.0))
     x, targets = torch.randn(2, 1, 8, 32, 64), torch.randn(2, 16, 32)
-    masks = [(torch.tensor([[0, 3, 14, 15]] * 2), torch.tensor([[1, 2]] * 2), torch.tensor([[True] * 3 + [False]] * 2)),
-             (torch.tensor([[4, 5, 6]] * 2), torch.tensor([[7, 8, 9]] * 2), None)]
+    masks = [(torch.tensor([[0, 3, 14, 15]] * 2), torch.tensor([[1, 2]] * 2)),
+             (torch.tensor([[4, 5, 6]] * 2), torch.tensor([[7, 8, 9]] * 2))]
 
     def per_mask_set():  # the reference: tokenise inside each encoder pass
         from train.model import local_cells
         cells, losses = local_cells(x, model.tubelet, model.loss.local_cell), []
-        for ctx_idx, tgt_idx, valid in masks:
-            h = model.encoder(x, ctx_idx, valid)
-            latent = (model.predictor(h, ctx_idx, tgt_idx, valid) - gather_tokens(targets, tgt_idx)).abs().mean()
-            err = (model.local_head(h) - gather_tokens(cells, ctx_idx)).abs().mean(-1)
-            w = torch.ones_like(err) if valid is None else valid.float()
-            losses.append(latent + (err * w).sum() / w.sum())
+        for ctx_idx, tgt_idx in masks:
+            h = model.encoder(x, ctx_idx)
+            latent = (model.predictor(h, ctx_idx, tgt_idx) - gather_tokens(targets, tgt_idx)).abs().mean()
+            losses.append(latent + (model.local_head(h) - gather_tokens(cells, ctx_idx)).abs().mean())
         return torch.stack(losses).mean()
 
     grads = []
@@ -221,8 +195,8 @@ def test_one_tokenisation_per_step_gives_the_per_mask_set_loss_and_gradients():
 def test_local_term_reads_each_context_token_own_tubelet_cells():
     """loss.local: a bright voxel and a dark one shift the mean of the cell where they sit, in the
     token whose tubelet holds them (the patchify's order), by their value / cell voxels; the term
-    adds a head and a gradient to the encoder, a padding slot does not count, and a cell that does
-    not divide the tubelet is refused."""
+    adds a head and a gradient to the encoder, and a cell that does not divide the tubelet is
+    refused."""
     import torch
 
     from train.config import LossConfig, ModelConfig
@@ -242,7 +216,7 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
     assert plain.local_head is None and local.local_head.out_features == 32
     ctx, tgt = torch.tensor([[0, 3, 14, 15]]), torch.tensor([[1, 2]])
     targets = torch.zeros(1, 16, 16)
-    loss = local(x, [(ctx, tgt, None)], targets)
+    loss = local(x, [(ctx, tgt)], targets)
     loss.backward()
     assert local.local_head.weight.grad.abs().sum() > 0
     # the term is the head's L1 on the context tokens' own cells, on top of the latent loss
@@ -251,13 +225,6 @@ def test_local_term_reads_each_context_token_own_tubelet_cells():
         latent = (local.predictor(h, ctx, tgt) - gather_tokens(targets, tgt)).abs().mean()
         term = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean()
     assert torch.allclose(loss, latent + term, atol=1e-6)
-    # a context with a padding slot (token 15, marked invalid): it does not count in the term
-    valid = torch.tensor([[True, True, True, False]])
-    with torch.no_grad():
-        h = local.encoder(x, ctx, valid)
-        latent_valid = (local.predictor(h, ctx, tgt, valid) - gather_tokens(targets, tgt)).abs().mean()
-        term_valid = (local.local_head(h) - gather_tokens(cells, ctx)).abs().mean(-1)[:, :3].mean()
-        assert torch.allclose(local(x, [(ctx, tgt, valid)], targets), latent_valid + term_valid, atol=1e-6)
     with pytest.raises(ConfigError, match="loss.local_cell"):
         JEPA(cfg, (8, 32, 64), LossConfig(local_cell=(3, 4, 4)))
 
@@ -279,7 +246,7 @@ def test_the_objective_is_named_by_its_terms_and_a_negative_weight_is_refused():
 
 def test_the_xla_sharding_covers_every_batch_tensor(tiny_cache, tmp_path):
     """The SPMD input sharding is read off a dataset item, so every tensor a batch holds is in it (a
-    hand-kept key list once missed the context validity a padded context added)."""
+    hand-kept key list misses a key that a new batch tensor adds)."""
     from conftest import tiny_train_args
 
     from octfm import config

@@ -42,8 +42,8 @@ def student_step_bytes(cfg: TrainConfig, batch: int = 2) -> int:
     sizes = masks.calibrate(grid, cfg.mask, seed=cfg.seed)
     rng = np.random.default_rng(0)
     sets = [masks.sample_masks(grid, cfg.mask, sizes, rng) for _ in range(batch)]
-    pairs = [(torch.stack([torch.from_numpy(s[i][0]) for s in sets]), torch.stack([torch.from_numpy(s[i][1]) for s in sets]),
-              None) for i in range(len(sizes))]
+    pairs = [(torch.stack([torch.from_numpy(s[i][0]) for s in sets]), torch.stack([torch.from_numpy(s[i][1]) for s in sets]))
+             for i in range(len(sizes))]
     x = torch.rand(batch, 1, *cfg.data.input_shape)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
         tg = target_features(target, x)
@@ -96,14 +96,12 @@ def test_the_production_config_fits_a_v4_32_with_linear_attention():
     assert math_layer > 11 and flash_layer < 0.5, (math_layer, flash_layer)
 
 
-def attention_bytes(kernel: str, n: int, keep: bool = False) -> int:
+def attention_bytes(kernel: str, n: int) -> int:
     """Bytes autograd keeps for one call of `kernel` on this CPU over n tokens (4 heads of 16,
-    float32), q, k and v aside (views of the qkv output, which block_saved counts); `keep`: with a
-    padded context's key mask."""
+    float32), q, k and v aside (views of the qkv output, which block_saved counts)."""
     qkv = torch.randn(1, 3, 4, n, 16, requires_grad=True)
     q, k, v = qkv.unbind(1)
-    mask = torch.ones(1, n, dtype=torch.bool) if keep else None
-    return saved_bytes(lambda: attention.KERNELS[kernel](q, k, v, mask), [qkv])
+    return saved_bytes(lambda: attention.KERNELS[kernel](q, k, v), [qkv])
 
 
 def test_attention_memory_on_every_accelerator_is_linear_in_the_sequence():
@@ -111,15 +109,14 @@ def test_attention_memory_on_every_accelerator_is_linear_in_the_sequence():
     linear by construction for a kernel it labels linear). The accelerators' kernels are the fused
     ones the plan labels linear; a fused kernel's term is held to what PyTorch's own keeps on this CPU
     (its output and log-sum-exp): the formula to the byte at two lengths, twice the bytes for twice the
-    tokens, a padded context's mask too. The math path, measured the same way, grows fourfold: the
-    measurement sees quadratic memory. (CUDA's fused kernel: tests/test_cuda.py, no [B, H, N, N] kept.)"""
+    tokens. The math path, measured the same way, grows fourfold: the measurement sees quadratic
+    memory. (CUDA's fused kernel: tests/test_cuda.py, no [B, H, N, N] kept.)"""
     for name, acc in plan.ACCELERATORS.items():
         assert attention.MEMORY[attention.kernel_for(acc.device, acc.platform)] == "linear", name
     for n in (256, 512):
         assert attention_bytes(attention.SDPA, n) == plan.attention_saved(n, 4, 64, 4, attention.SDPA)
-    for keep in (False, True):
-        one, two = (attention_bytes(attention.SDPA, n, keep) for n in (256, 512))
-        assert two == 2 * one, f"keep={keep}: attention memory grows faster than the sequence ({one} -> {two} bytes)"
+    one, two = (attention_bytes(attention.SDPA, n) for n in (256, 512))
+    assert two == 2 * one, f"attention memory grows faster than the sequence ({one} -> {two} bytes)"
     one, two = (attention_bytes(attention.MATH, n) for n in (256, 512))
     assert two > 3.5 * one
 

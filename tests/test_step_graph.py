@@ -167,7 +167,7 @@ def model_step(config_path: str, batch: int = 1, overrides=()):
     student = JEPA(cfg.model, cfg.data.input_shape, cfg.loss)
     target = Encoder(cfg.model, cfg.data.input_shape).requires_grad_(False)
     pairs = [(torch.randint(0, grid.tokens, (batch, s.context_cells * grid.depth), dtype=torch.int32),
-              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32), None)
+              torch.randint(0, grid.tokens, (batch, s.target_cells * grid.depth), dtype=torch.int32))
              for s in masks.calibrate(grid, cfg.mask, seed=0)]
     x = torch.randint(0, 256, (batch, 1, *cfg.data.input_shape), dtype=torch.uint8)
     aug = torch.tensor([[1.0, 0.0]] * batch)

@@ -12,12 +12,11 @@ The kernel is chosen by where the tensors live, so model code never names a back
   call (public reports: hundreds of ms to seconds each on Hopper); `make device-check` times the
   production and check steps both ways, and the default follows what the card shows.
 - CPU, and torch_xla on its CPU backend (the test lane): SDPA as PyTorch chooses (its CPU flash
-  kernel without a mask, the math path with one).
+  kernel).
 
-`keep` [B, N] (bool, None for all) marks the tokens others may attend to (a padded context).
-On the TPU kernel it becomes segment ids; the sequence is padded to the kernel's block size
-with a segment of its own, because torch_xla pads keys with zeros that would otherwise take
-part in the softmax.
+Every token attends to every token. On the TPU kernel the sequence is padded to the kernel's
+block size with a segment of its own (segment ids), because torch_xla pads keys with zeros that
+would otherwise take part in the softmax.
 """
 from __future__ import annotations
 
@@ -58,19 +57,15 @@ def xla_platform() -> str:
     return xr.device_type()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q, k, v [B, H, N, Dh] (scale 1/sqrt(Dh)), keys limited to `keep`."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q, k, v [B, H, N, Dh] (scale 1/sqrt(Dh)) over all keys."""
     kind = q.device.type
     kernel = kernel_for(kind, xla_platform() if kind == "xla" else None)
-    return KERNELS[kernel](q, k, v, keep)
+    return KERNELS[kernel](q, k, v)
 
 
-def _mask(keep: torch.Tensor | None) -> torch.Tensor | None:
-    return None if keep is None else keep[:, None, None, :]
-
-
-def sdpa(q, k, v, keep=None):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 CUDNN_ENV = "OCTFM_SDPA_CUDNN"  # "1": cuDNN attention first, then flash and memory-efficient
@@ -96,8 +91,8 @@ def use_fused_kernels() -> None:
     outside traced code (runtime.setup on CUDA, or the first fused call). A context entered
     around every call cost host time on each of a step's ~100 attention calls and was traced
     into every compiled graph. SDPA's dispatcher then picks, per shape, the first allowed kernel
-    that takes it (flash without a mask, memory-efficient with one); the math kernel is never
-    allowed, so a shape none takes fails loudly instead of running out of memory at ViT-B sizes."""
+    that takes it; the math kernel is never allowed, so a shape none takes fails loudly instead
+    of running out of memory at ViT-B sizes."""
     global _FUSED_ONLY
     from torch.nn.attention import SDPBackend
 
@@ -112,10 +107,10 @@ def use_fused_kernels() -> None:
     _FUSED_ONLY = True
 
 
-def sdpa_fused(q, k, v, keep=None):
+def sdpa_fused(q, k, v):
     if not _FUSED_ONLY:  # set once; a compiled graph sees the branch resolved
         use_fused_kernels()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 def pallas_length(n: int) -> int:
@@ -141,31 +136,29 @@ def spmd_layout():
     return (None, None) if mesh is None else (("data", None, None, None), mesh)
 
 
-def pallas_flash(q, k, v, keep=None):
-    """The TPU kernel. Padding and `keep` become segment ids (1 real, 0 not): a real query sees
-    only real keys; a padding query sees padding (its output is dropped or never read)."""
+def pallas_flash(q, k, v):
+    """The TPU kernel. The padding to whole blocks becomes segment ids (1 real, 0 padding): a real
+    query sees only real keys; a padding query sees padding (its output is dropped)."""
     b, _, n, dh = q.shape
     n_pad = pallas_length(n)
     seg = None
-    if keep is not None or n_pad != n:
-        seg = torch.ones(b, n, dtype=torch.int32, device=q.device) if keep is None else keep.to(torch.int32)
-        if n_pad != n:
-            q, k, v = (F.pad(t, (0, 0, 0, n_pad - n)) for t in (q, k, v))
-            seg = F.pad(seg, (0, n_pad - n))
+    if n_pad != n:
+        seg = F.pad(torch.ones(b, n, dtype=torch.int32, device=q.device), (0, n_pad - n))
+        q, k, v = (F.pad(t, (0, 0, 0, n_pad - n)) for t in (q, k, v))
     spec, mesh = spmd_layout()
     o = flash_call()(q, k, v, causal=False, q_segment_ids=seg, kv_segment_ids=seg, sm_scale=1.0 / math.sqrt(dh),
                      partition_spec=spec, mesh=mesh)
     return o[:, :, :n]
 
 
-def math_attention(q, k, v, keep=None):
+def math_attention(q, k, v):
     """SDPA's math path (XLA's lowering off TPU): scores [B, H, N, N] in full."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if q.device.type == "xla":  # torch_xla lowers SDPA itself; the context manager is for eager CPU/CUDA
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+        return F.scaled_dot_product_attention(q, k, v)
     with sdpa_kernel([SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(keep))
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 KERNELS = {PALLAS_FLASH: pallas_flash, SDPA_FUSED: sdpa_fused, SDPA: sdpa, MATH: math_attention}

@@ -215,19 +215,16 @@ class CacheDataset(Dataset):
         jitter = self.cfg.intensity_jitter if self.augment else 0.0
         aug = torch.tensor([1.0 + rng.uniform(-jitter, jitter), rng.uniform(-jitter, jitter)], dtype=torch.float32)
         item["aug"] = aug
-        for i, (c, g, _, valid) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
+        for i, (c, g, _) in enumerate(sets):  # flat keys: XLA's loader shards a flat dict of tensors
             item[f"ctx_{i}"] = torch.from_numpy(c.astype(np.int32))  # int32: int64 is emulated on TPU
             item[f"tgt_{i}"] = torch.from_numpy(g.astype(np.int32))
-            if valid is not None:
-                item[f"ctxvalid_{i}"] = torch.from_numpy(valid)
         return item
 
 
-def mask_pairs(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """[(context ids [B, Kc], target ids [B, Kt], context validity [B, Kc] or None), ...] for
-    each mask set of a batch (validity: a padded context)."""
+def mask_pairs(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(context ids [B, Kc], target ids [B, Kt]), ...] for each mask set of a batch."""
     n = sum(1 for k in batch if k.startswith("ctx_"))
-    return [(batch[f"ctx_{i}"], batch[f"tgt_{i}"], batch.get(f"ctxvalid_{i}")) for i in range(n)]
+    return [(batch[f"ctx_{i}"], batch[f"tgt_{i}"]) for i in range(n)]
 
 
 class EpochSampler(Sampler):

@@ -94,9 +94,8 @@ def _cells_to_tokens(grid: Grid, cells: np.ndarray) -> np.ndarray:
 
 
 def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.random.Generator):
-    """For each mask set: (context token ids, target token ids, blocks, context validity), fixed
-    lengths. The validity is None: every id is real (the model and the attention take a key mask
-    for a context with padding slots, `valid`)."""
+    """For each mask set: (context token ids, target token ids, blocks), fixed lengths, every id a
+    real token."""
     out = []
     for s, size in zip(cfg.sets, sizes, strict=True):
         blocks = [sample_block(grid, s, rng) for _ in range(s.blocks)]
@@ -112,5 +111,5 @@ def sample_masks(grid: Grid, cfg: MaskConfig, sizes: list[SetSize], rng: np.rand
             masked, free = np.setdiff1d(masked, back), np.union1d(free, back)
         tgt = rng.choice(masked, size=size.target_cells, replace=False)
         ctx = rng.choice(free, size=size.context_cells, replace=False)
-        out.append((_cells_to_tokens(grid, ctx), _cells_to_tokens(grid, tgt), blocks, None))
+        out.append((_cells_to_tokens(grid, ctx), _cells_to_tokens(grid, tgt), blocks))
     return out

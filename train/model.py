@@ -83,11 +83,10 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """`keep` [B, N] bool: the tokens others may attend to (None: all)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = attention.attend(q, k, v, keep)
+        y = attention.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
 
@@ -101,8 +100,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
         self.drop_path = 0.0  # stochastic depth while training (fine-tuning sets it: set_drop_path)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.norm1(x), keep))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.norm1(x)))
         return x + self._drop(self.mlp(self.norm2(x)))
 
     def _drop(self, y: torch.Tensor) -> torch.Tensor:
@@ -166,8 +165,7 @@ def patch_kernel(tubelet, stem) -> tuple[int, int, int]:
 
 
 class Encoder(nn.Module):
-    """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens (of which only
-    the `valid` ones are attended to, for a padded context), transform."""
+    """Patchify [B, 1, D, H, W] into tubelets, add positions, keep `idx` tokens, transform."""
 
     def __init__(self, cfg: ModelConfig, input_shape):
         super().__init__()
@@ -212,16 +210,15 @@ class Encoder(nn.Module):
             t = t + F.linear(peaks, self.peak.weight.flatten(1), self.peak.bias)
         return t + to_stream(self.pos, t)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        return self.transform(self.tokenize(x), idx, valid)
+    def forward(self, x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transform(self.tokenize(x), idx)
 
-    def transform(self, tokens: torch.Tensor, idx: torch.Tensor | None = None,
-                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    def transform(self, tokens: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks on `tokenize`'s output (its `idx` tokens): a step tokenises once and
         gathers each mask set's context from it."""
         t = tokens if idx is None else gather_tokens(tokens, idx)
         for blk in self.blocks:
-            t = blk(t, valid)
+            t = blk(t)
         return self.norm(t)
 
 
@@ -239,17 +236,15 @@ class Predictor(nn.Module):
         self.apply(_init_weights)
         nn.init.trunc_normal_(self.mask_token, std=0.02)
 
-    def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor,
-                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ctx: torch.Tensor, ctx_idx: torch.Tensor, tgt_idx: torch.Tensor) -> torch.Tensor:
         """Predictions at the target positions."""
         b = ctx.shape[0]
         c = self.embed(ctx)
         c = c + to_stream(gather_rows(self.pos, ctx_idx), c)
         m = to_stream(self.mask_token.expand(b, tgt_idx.shape[1], -1) + gather_rows(self.pos, tgt_idx), c)
         x = torch.cat([c, m], dim=1)
-        keep = None if ctx_valid is None else torch.cat([ctx_valid, torch.ones_like(tgt_idx, dtype=torch.bool)], 1)
         for blk in self.blocks:
-            x = blk(x, keep)
+            x = blk(x)
         return self.out(self.norm(x[:, c.shape[1]:]))
 
 
@@ -302,28 +297,29 @@ class JEPA(nn.Module):
             self.local_head = nn.Linear(cfg.dim, local_outputs(self.loss, cfg.tubelet))
             _init_weights(self.local_head)
 
-    def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    def forward(self, x: torch.Tensor, masks: list[tuple[torch.Tensor, torch.Tensor]],
                 targets: torch.Tensor) -> torch.Tensor:
-        """`masks`: (context ids, target ids, context validity or None) per mask set."""
+        """`masks`: (context ids, target ids) per mask set."""
         cells = None if self.local_head is None else local_cells(x, self.tubelet, self.loss.local_cell)
         tokens = self.encoder.tokenize(x)  # once: the stem and patchify are a third of a step at check size
         losses = []
-        for ctx_idx, tgt_idx, ctx_valid in masks:
-            ctx = self.encoder.transform(tokens, ctx_idx, ctx_valid)
-            pred = self.predictor(ctx, ctx_idx, tgt_idx, ctx_valid)
+        for ctx_idx, tgt_idx in masks:
+            ctx = self.encoder.transform(tokens, ctx_idx)
+            pred = self.predictor(ctx, ctx_idx, tgt_idx)
             tgt = gather_tokens(targets, tgt_idx)
             loss = (pred.float() - tgt.float()).abs().mean()
             if cells is not None:
                 err = (self.local_head(ctx).float() - gather_tokens(cells, ctx_idx)).abs().mean(-1)  # [B, Kc]
-                loss = loss + self.loss.local * context_mean(err, ctx_valid)
+                loss = loss + self.loss.local * context_mean(err)
             losses.append(loss)
         return torch.stack(losses).mean()
 
 
-def context_mean(err: torch.Tensor, ctx_valid: torch.Tensor | None) -> torch.Tensor:
-    """The mean of a per-context-token error [B, Kc] over the valid slots (padding does not count)."""
-    w = torch.ones_like(err) if ctx_valid is None else ctx_valid.float()  # the same ops either way
-    return (err * w).sum() / w.sum().clamp_min(1.0)
+def context_mean(err: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-context-token error [B, Kc], as its sum divided by the count held in a
+    tensor on err's device: CUDA's `mean()`, and its division by a Python number, multiply by the
+    reciprocal instead, which can move the local term in its last bit."""
+    return err.sum() / err.new_full((), err.numel())
 
 
 @torch.no_grad()

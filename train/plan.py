@@ -202,7 +202,7 @@ def step_flops(cfg: TrainConfig) -> float:
         target.to_empty(device="cpu")
         x = torch.zeros((1, 1, *cfg.data.input_shape), dtype=torch.uint8)
         pairs = [(torch.zeros((1, s.context_cells * grid.depth), dtype=torch.int32),
-                  torch.zeros((1, s.target_cells * grid.depth), dtype=torch.int32), None) for s in sizes]
+                  torch.zeros((1, s.target_cells * grid.depth), dtype=torch.int32)) for s in sizes]
         with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
             xn = data.normalize(x, torch.tensor([[1.0, 0.0]]))
             student(xn, pairs, target_features(target, xn)).backward()
