@@ -143,6 +143,11 @@ demo: $(STAMP)
 	@echo "demo: done. Open runs/pretrain_smoke/report.html. Inspect the manifest with: $(PY) -c \"import pandas as pd; print(pd.read_parquet('$(CACHE)/manifest.parquet'))\""
 	@$(PY) -m check.learning_check --line runs/pretrain_smoke
 
+# The test lanes keep compiled bytecode (in gitignored __pycache__ folders), as a default Python does: with
+# PYTHONDONTWRITEBYTECODE set (some images set it), each of the light lane's ~150 Python processes compiled
+# the repository's modules again, and each worker rewrote every test module (docs/testing.md).
+test test-heavy test-xla: export PYTHONDONTWRITEBYTECODE :=
+
 test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/xla -m "not slow" -n 2 --dist worksteal --durations=15
 
