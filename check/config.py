@@ -31,7 +31,7 @@ class Size:
 # docs/measurements.md)
 SIZES = {"cpu": Size("configs/pretrain_check.yaml", threads=1),
          "gpu": Size("configs/pretrain_check_gpu.yaml",
-                     ("batch_size=128", "epochs=100000", "max_steps=3700", "val_every=50", "patience=4", "workers=null"),
+                     ("global_batch=128", "epochs=100000", "max_steps=3700", "val_every=50", "patience=4", "workers=null"),
                      threads=0, random_draws=5)}
 
 

@@ -59,6 +59,7 @@ class ProbeConfig:
 class FinetuneConfig:
     """`make finetune` (configs/finetune.yaml): one task, the pretrained encoder trained end to end
     with a probe head, chosen on val, scored on test."""
+    RENAMED: ClassVar[dict[str, str]] = {"batch_size": "global_batch"}  # read under the old name for one release
     ckpt: str | None = None            # a pretraining checkpoint or a `make export` model folder (CKPT=...)
     init: Literal["pretrained", "random"] = "pretrained"  # random: the same architecture from scratch, same budget
     cache: str | None = None           # None: the cache the checkpoint was trained on
@@ -69,7 +70,8 @@ class FinetuneConfig:
     label_fraction: float = 1.0        # of the train participants, stratified by label (evals/subsets.py)
     epochs: int = 80                   # at 40 from scratch stopped short of its plateau (docs/recipe.md, Fine-tuning)
     max_steps: int | None = None       # a budget in optimizer steps whatever label_fraction is: fewer epochs when it ends first
-    batch_size: int = 4                # per process
+    global_batch: int = 4              # labelled volumes per optimizer step, over all processes (each takes
+                                       # global_batch / processes), as pretraining's global_batch
     lr: float = 3.0e-4                 # peak learning rate of the last encoder block
     layer_decay: float = 1.0           # each block below the last: lr x layer_decay once more
     head_lr: float = 1.0e-3
@@ -100,6 +102,8 @@ class FinetuneConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
     def __post_init__(self):
+        if self.global_batch < 1:
+            raise FieldError("global_batch", f"{self.global_batch}: needs at least 1")
         if not 0 < self.label_fraction <= 1:
             raise FieldError("label_fraction", f"{self.label_fraction}: needs 0 < label_fraction <= 1")
         if not 0 < self.layer_decay <= 1:

@@ -11,8 +11,9 @@ Layer-wise learning-rate decay (the last block and the final norm at `lr`, each 
 encoder untouched, which then warms up again from its first step), the update guard on non-finite
 values, class weights, label smoothing, stochastic depth, warmup and cosine. One loop for cpu,
 cuda (torchrun + DDP, bf16) and xla, on pretraining's skeleton (train/loop.py). A killed run
-resumes from its last whole epoch to the weights an uninterrupted one reaches (on another process
-count, at that epoch of its batch split). The best epoch is kept as a checkpoint that `make export`,
+resumes from its last whole epoch to the weights an uninterrupted one reaches. `global_batch` is
+the volumes of an optimizer step on any number of processes (each takes its share), so a run
+resumed on another process count keeps its steps and continues at its epoch. The best epoch is kept as a checkpoint that `make export`,
 `make embed` and `make probe` read like a pretraining one (its head included).
 
 Its parts: the classifier and its layer groups (evals/classifier.py), the labelled rows and their
@@ -43,7 +44,7 @@ from evals.finetune_data import Labelled, training_rows
 from evals.finetune_schedule import budget_epochs, epochs_of, lr_factor, thaw_ramp
 from manifests.aireadi import TASKS
 from octfm import cli, config, fsio
-from train import checkpoint, data, encoder, metrics, runtime
+from train import batching, checkpoint, data, encoder, metrics, runtime
 from train.checkpoint import to_cpu
 from train.curves import plot_history
 from train.loop import TrainLoop
@@ -61,6 +62,15 @@ def run_dir(cfg: FinetuneConfig) -> Path:
         return Path(cfg.out)
     pct = "" if cfg.label_fraction == 1 else f"_{round(100 * cfg.label_fraction)}pct"
     return Path("runs") / f"finetune_{cfg.task}_{cfg.init}{pct}"
+
+
+def settings_with_global_batch(saved: dict, world: int) -> dict:
+    """A run's saved settings with the per-process `batch_size` of runs made before the fine-tuning
+    batch became the global one (on `world` processes) restated as `global_batch`."""
+    if "batch_size" not in saved:
+        return saved
+    out = {k: v for k, v in saved.items() if k != "batch_size"}
+    return {**out, "global_batch": int(saved["batch_size"]) * int(world)}
 
 
 class Finetuner(TrainLoop):
@@ -127,11 +137,13 @@ class Finetuner(TrainLoop):
                        if cfg.class_weight else None)
 
     def _plan_budget(self) -> None:
-        """The batch per process, the optimizer steps per epoch, the epochs and steps the run trains."""
+        """The batch per process (its share of `global_batch`, refused where the processes cannot split
+        it evenly), the optimizer steps per epoch, the epochs and steps the run trains."""
         # a small cohort's label fraction can hold fewer rows than a batch (a GPU-size smoke run: about 50 rows at
         # batch 128): the run takes them all as its batch rather than no step at all
         n = int(self.train.sum())
-        self.batch = max(1, min(self.cfg.batch_size, n // self.rt.world))
+        share = batching.split(self.cfg.global_batch, None, chips=self.rt.world, processes=self.rt.world).per_process
+        self.batch = max(1, min(share, n // self.rt.world))
         self.per_epoch = data.EpochSampler(n, self.batch, world=self.rt.world).batches_per_epoch
         self.epochs = budget_epochs(self.cfg, self.per_epoch)
         self.total = self.epochs * self.per_epoch  # optimizer steps
@@ -187,7 +199,7 @@ class Finetuner(TrainLoop):
         if found is None:
             return None
         uri, st = found
-        saved = st["finetune"]["settings"]
+        saved = settings_with_global_batch(st["finetune"]["settings"], (st.get("batch_split") or st["layout"])["world"])
         changed = sorted(k for k in set(saved) | set(self.settings()) if saved.get(k) != self.settings().get(k))
         if changed:
             raise cli.UsageError(f"{uri}: this fine-tuning run was made with other settings ({', '.join(changed)}); "
@@ -214,7 +226,7 @@ class Finetuner(TrainLoop):
                 f"{uri}: saved at epoch {pos['epoch']}, {pos['offset']} samples into it, with batch {old['batch']} x "
                 f"{old['world']} process(es); this run has batch {self.batch} x {self.rt.world} process(es) and "
                 f"{why}: resume on {old['world']} process(es), or set out= to start a new run")
-        if start != saved and self.rt.is_master:
+        if (old["batch"], old["world"]) != (self.batch, self.rt.world) and self.rt.is_master:
             print(f"resume: batch {old['batch']} x {old['world']} process(es) -> {self.batch} x {self.rt.world}: "
                   f"epoch {pos['epoch']} continues at step {start} of {self.total}")
         return start

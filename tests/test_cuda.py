@@ -149,7 +149,7 @@ def test_one_finetuning_epoch_on_cuda(signal_cache, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = tmp_path / "runs" / "p" / "checkpoints" / "step_0000002.pt"
     r = run_cli("evals.finetune", "--no-progress", "--ckpt", str(ckpt), f"out={tmp_path / 'ft'}", "epochs=1",
-                "device=cuda", "precision=bf16", "workers=0", "batch_size=4", "bootstrap=20", "patience=0",
+                "device=cuda", "precision=bf16", "workers=0", "global_batch=4", "bootstrap=20", "patience=0",
                 "frozen_epochs=0")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "on cuda" in r.stdout and "diabetic (test, best val epoch" in r.stdout

@@ -18,12 +18,13 @@ import torch
 from conftest import REPO, run_cli, run_here, same_optimizer, same_state
 from evals import finetune, finetune_schedule
 from evals.config import FinetuneConfig
-from octfm import cli, config
+from octfm import config
+from octfm.config import ConfigError
 from cache import store
 from evals.probe_heads import load_classifier
 from train import checkpoint, runtime
 
-QUICK = ["workers=0", "batch_size=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
+QUICK = ["workers=0", "global_batch=4", "bootstrap=20", "device=cpu", "precision=fp32", "patience=0", "frozen_epochs=0"]
 
 
 @pytest.fixture(scope="session")
@@ -386,7 +387,7 @@ def test_patience_counts_only_epochs_after_the_encoders_warmup_and_half_the_run(
 def test_a_label_fraction_smaller_than_a_batch_trains_on_what_it_has(pretrained, tmp_path):
     """A small cohort's 10% of labels can hold fewer rows than the batch (the GPU-size smoke run: about
     50 rows at batch 128): the run takes them all as its batch instead of training no step."""
-    cfg = _cfg(pretrained, tmp_path / "small", init="random", label_fraction=0.2, batch_size=128, epochs=2)
+    cfg = _cfg(pretrained, tmp_path / "small", init="random", label_fraction=0.2, global_batch=128, epochs=2)
     ft = _finetuner(cfg)
     n = int(ft.train.sum())
     assert 0 < n < 128 and ft.batch == n and ft.per_epoch == 1
@@ -462,31 +463,43 @@ def _on_two_processes(cfg: FinetuneConfig) -> finetune.Finetuner:
     return finetune.Finetuner(cfg, runtime.Runtime(kind="cpu", device=torch.device("cpu"), world=2))
 
 
-def test_a_run_resumed_on_another_process_count_continues_at_its_epoch(pretrained, tmp_path):
-    """Stopped after epoch 2 of 6 on one process and resumed on two, the run
-    continues at epoch 2 of the two-process layout (whose epochs have half the steps), not at the
-    one-process step count read as two-process steps (epoch 4: two epochs never trained, the
-    schedule at 67%)."""
+def test_a_run_resumed_on_another_process_count_keeps_its_global_batch_and_its_steps(pretrained, tmp_path):
+    """Stopped after epoch 2 of 6 on one process and resumed on two, each process takes half of the
+    global batch: an optimizer step is the same 4 volumes, an epoch the same steps, and the run
+    continues at epoch 2 with the schedule where it was, step-scored (val_every) or not."""
+    for scored in (0, 2):
+        cfg = _cfg(pretrained, tmp_path / f"ft{scored}", epochs=6, val_every=scored)
+        one = _saved_at_epoch(cfg, 2)
+        two = _on_two_processes(cfg)
+        assert (one.batch, two.batch) == (4, 2) and two.per_epoch == one.per_epoch and two.total == one.total
+        assert (two.epoch, two.step) == (2, 2 * one.per_epoch), (two.epoch, two.step, two.total)
+
+
+def test_a_global_batch_the_processes_cannot_split_is_refused_naming_the_key(pretrained, tmp_path):
+    with pytest.raises(ConfigError, match=r"global_batch.*3 does not divide over 2"):
+        _on_two_processes(_cfg(pretrained, tmp_path / "ft", global_batch=3))
+
+
+def test_a_run_saved_with_a_per_process_batch_resumes_as_the_global_batch_it_made(pretrained, tmp_path):
+    """Runs made before the fine-tuning batch became the global one saved `batch_size` (per process)
+    in their settings: read as batch x processes, such a run of batch 2 on two processes resumes
+    under global_batch 4 on one."""
     cfg = _cfg(pretrained, tmp_path / "ft", epochs=6)
     one = _saved_at_epoch(cfg, 2)
-    two = _on_two_processes(cfg)
-    assert two.per_epoch < one.per_epoch and two.total == 6 * two.per_epoch
-    assert (two.epoch, two.step) == (2, 2 * two.per_epoch), (two.epoch, two.step, two.total)
-
-
-def test_a_step_scored_run_resumed_on_another_process_count_is_refused(pretrained, tmp_path):
-    """With val_every the checkpoints, the history and the best are counted in the saved layout's
-    steps: a resume under another process count is refused, naming the checkpoint and both counts."""
-    cfg = _cfg(pretrained, tmp_path / "ft", epochs=6, val_every=2)
-    _saved_at_epoch(cfg, 2)
-    with pytest.raises(cli.UsageError, match=r"step_\d+\.pt: .*1 process.*2 process"):
-        _on_two_processes(cfg)
+    uri, st = one.newest_checkpoint()
+    settings = {k: v for k, v in st["finetune"]["settings"].items() if k != "global_batch"}
+    st["finetune"]["settings"] = {**settings, "batch_size": 2}
+    st["layout"] = {"batch": 2, "world": 2}             # the batch split's key in those checkpoints
+    del st["batch_split"]
+    checkpoint.write(st, uri)
+    again = _finetuner(cfg)
+    assert (again.epoch, again.step) == (2, 2 * one.per_epoch)
 
 
 @pytest.mark.slow  # two processes under torchrun (gloo), about 40 s on 2 cores: the heavy lane
 def test_a_one_process_run_resumes_under_torchrun_at_its_epoch(pretrained, tmp_path):
-    """The conversion above end to end: saved after epoch 2 of 3 on one process, resumed by two
-    under torchrun, it trains epoch 3 alone and reports 3 epochs."""
+    """The resume above end to end: saved after epoch 2 of 3 on one process, resumed by two under
+    torchrun (each taking half of the global batch), it trains epoch 3 alone and reports 3 epochs."""
     from conftest import free_port
 
     out = tmp_path / "ft"
@@ -495,7 +508,7 @@ def test_a_one_process_run_resumes_under_torchrun_at_its_epoch(pretrained, tmp_p
                         str(free_port()), "-m", "evals.finetune", "--no-progress", "--ckpt", str(pretrained), f"out={out}",
                         *QUICK, "epochs=3"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "resume: batch 4 x 1 process(es) -> 4 x 2" in r.stdout and "at epoch 2" in r.stdout
+    assert "resume: batch 4 x 1 process(es) -> 2 x 2" in r.stdout and "at epoch 2" in r.stdout
     m = json.loads((out / "diabetic" / "metrics.json").read_text())
     assert [h["epoch"] for h in m["history"]] == [2, 3] and m["epochs_run"] == 3
 

@@ -25,7 +25,7 @@ def test_learning_check_end_to_end_and_resumes(tmp_path):
     train = [a for a in tiny_train_args(tmp_path, tmp_path, max_steps=4, ckpt_every=4)
              if not a.startswith(("name=", "runs_dir=", "data.cache="))]
     train = [a for a in train if not a.startswith("eval_every=")] + ["eval_every=2"]
-    budget = [x for kv in ("epochs=1", "frozen_epochs=0", "batch_size=2", "workers=0", "patience=0")
+    budget = [x for kv in ("epochs=1", "frozen_epochs=0", "global_batch=2", "workers=0", "patience=0")
               for x in ("--finetune-arg", kv)]  # the references' too: they are `make finetune` from random init
     args = ["--work", str(work), "--out", str(out), "--participants", "16", "--bootstrap", "50", "--set", "random_draws=2",
             "--curve", *PROBE, *budget, *train]        # --curve: a supervised reference at 10%, 25% and 100%
@@ -414,7 +414,7 @@ def test_the_size_sets_the_fine_tuning_keys_and_how_many_runs_at_once(monkeypatc
     # torch's default (0); --one-at-a-time: none at once (None)
     assert [c.threads for c in seen] == [0, 1, 0, 1, None]
     gpu = SIZES["gpu"].finetune_args
-    assert {"batch_size=128", "max_steps=3700", "val_every=50", "patience=4"} <= set(gpu)
+    assert {"global_batch=128", "max_steps=3700", "val_every=50", "patience=4"} <= set(gpu)
     assert [(c.pretrain_config, c.tuning_args) for c in seen[:3]] == [
         ("configs/pretrain_check_gpu.yaml", gpu), ("configs/pretrain_check.yaml", ()),
         ("configs/pretrain_check_gpu.yaml", (*gpu, "patience=0"))]
