@@ -199,7 +199,7 @@ def test_finetune_compiles_once_across_epochs(tiny_cache, tmp_path):
     env = {**os.environ, **xla_env(1, tmp_path / "xla_cache")}
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "evals.finetune", "--no-progress", "--ckpt", str(ckpt),
                         f"out={out}", "device=xla", "head=attentive", "epochs=4", "frozen_epochs=1", "workers=0",
-                        "batch_size=4", "bootstrap=20", "patience=0", "eval_batch=4"],
+                        "global_batch=4", "bootstrap=20", "patience=0", "eval_batch=4"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
     hist = json.loads((out / "diabetic" / "metrics.json").read_text())["history"]
