@@ -50,6 +50,9 @@ MAIN_PROTOCOL = {
 }
 RADIAL_PROTOCOL = "spectralis onh rc hr oct"  # every Spectralis participant's right eye: skipped by `make cache`
 LAYOUTS = ("plain", "zipped", "repack")
+# protocols whose field AI-READI gives in degrees ("Macula, 20 x 20": Heidelberg's 20 x 20 degree scan), so
+# no published mm: a square scan, its frames spanning what its columns span at the device's column spacing
+SQUARE_IN_DEGREES = {"spectralis mac 20x20 hs octa"}
 
 
 def scaled_shape(device: str, scale: int, protocol: str | None = None) -> tuple[int, int, int]:
@@ -59,10 +62,13 @@ def scaled_shape(device: str, scale: int, protocol: str | None = None) -> tuple[
 
 def native_spacing(spec: DeviceSpec, protocol: Protocol) -> tuple[float, float, float]:
     """(frame, row, col) spacing at native size: the published field over the frames and columns
-    where there is one, else the device's."""
+    where there is one, else the device's (a square scan's frames: its columns' extent)."""
     f, _, c = protocol.shapes[0]
     across, along = protocol.field_mm
-    return (across / f if across else spec.spacing[0], spec.spacing[1], along / c if along else spec.spacing[2])
+    col = along / c if along else spec.spacing[2]
+    if not across and protocol.name in SQUARE_IN_DEGREES:
+        across = col * c
+    return (across / f if across else spec.spacing[0], spec.spacing[1], col)
 
 
 @dataclasses.dataclass

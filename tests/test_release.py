@@ -109,6 +109,23 @@ def test_agreeing_witnesses_leave_no_warning_and_a_protocol_without_a_published_
     assert scan.protocol_by == "header" and scan.field_mm == [9.0, 0.8, 12.0]
 
 
+def test_the_generator_writes_every_raster_protocol_within_its_field():
+    """Each raster protocol's synthetic header spans its published field, and one without a field in
+    mm a retina-sized one: the Spectralis 20 x 20 degree OCTA cube once spanned 61 mm across its 512
+    frames (the 61-frame cube's frame spacing), a scale table's nonsense row."""
+    for name, p in PROTOCOLS.items():
+        if p.pattern != protocols.RASTER:
+            continue
+        (f, _, c), spacing = p.shapes[0], synth.native_spacing(synth.DEVICES[p.device], p)
+        across, along = f * spacing[0], c * spacing[2]
+        published = [v if v else got for v, got in zip(p.field_mm, (across, along))]
+        assert [across, along] == pytest.approx(published), name
+        assert 2 < across <= 12 and 2 < along <= 12, (name, across, along)
+    sq = PROTOCOLS["spectralis mac 20x20 hs octa"]
+    spacing = synth.native_spacing(synth.DEVICES[sq.device], sq)
+    assert 512 * spacing[0] == pytest.approx(512 * spacing[2])         # 20 x 20: as wide as it is long
+
+
 # ---------------------------------------------------------------- orientation
 
 def test_spectralis_octa_is_reversed_as_ai_readi_documents_and_traces_that_disagree_are_reported(tmp_path):
