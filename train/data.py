@@ -227,28 +227,24 @@ def mask_pairs(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(batch[f"ctx_{i}"], batch[f"tgt_{i}"]) for i in range(n)]
 
 
-class EpochSampler(Sampler):
-    """A stream of (epoch, index), `batch` per process per step, from batch `start_batch` to
-    `stop_batch` (None: endless) counted across epochs. Epochs are trimmed to whole global
-    batches so every process sees the same number of batches (no rank runs dry and hangs a
-    collective). Finite streams let loader threads finish before the interpreter exits."""
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """The order of `n` rows in `epoch`: the same on every process and on a resume."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
 
-    def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1, seed: int = 0,
-                 shuffle: bool = True, start_batch: int = 0, stop_batch: int | None = None):
-        self.n, self.batch, self.rank, self.world, self.seed = n, batch, rank, world, seed
-        self.shuffle, self.start_batch, self.stop_batch = shuffle, start_batch, stop_batch
-        self.batches_per_epoch = n // (batch * world)
-        if self.batches_per_epoch == 0:
-            raise DataError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
+
+class EpochStream(Sampler):
+    """A stream of (epoch, index), `batch` per process per micro-step, from batch `start_batch` to
+    `stop_batch` (None: endless) counted across epochs, an epoch being what `epoch_indices(epoch)`
+    deals this process (`batches_per_epoch` whole batches). Finite streams let loader threads finish
+    before the interpreter exits. Subclasses say which rows an epoch deals: EpochSampler (all rows,
+    every process) and shares.ShareSampler (a host's share)."""
+    batch: int
+    batches_per_epoch: int
+    start_batch: int
+    stop_batch: int | None
 
     def epoch_indices(self, epoch: int) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-            perm = torch.randperm(self.n, generator=g).tolist()
-        else:
-            perm = list(range(self.n))
-        perm = perm[: self.batches_per_epoch * self.batch * self.world]
-        return perm[self.rank::self.world]
+        raise NotImplementedError
 
     def __iter__(self):
         epoch, b = divmod(self.start_batch, self.batches_per_epoch)
@@ -266,6 +262,25 @@ class EpochSampler(Sampler):
         if self.stop_batch is None:
             return 2 ** 62  # endless
         return max(0, self.stop_batch - self.start_batch) * self.batch
+
+
+class EpochSampler(EpochStream):
+    """All `n` rows each epoch (shuffled by seed and epoch, or in order), trimmed to whole global
+    batches so every process sees the same number of batches (no rank runs dry and hangs a
+    collective), dealt rank every world-th."""
+
+    def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1, seed: int = 0,
+                 shuffle: bool = True, start_batch: int = 0, stop_batch: int | None = None):
+        self.n, self.batch, self.rank, self.world, self.seed = n, batch, rank, world, seed
+        self.shuffle, self.start_batch, self.stop_batch = shuffle, start_batch, stop_batch
+        self.batches_per_epoch = n // (batch * world)
+        if self.batches_per_epoch == 0:
+            raise DataError(f"batch_size {batch} x {world} process(es) is larger than the {n} training volumes")
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        perm = epoch_permutation(self.n, self.seed, epoch) if self.shuffle else list(range(self.n))
+        perm = perm[: self.batches_per_epoch * self.batch * self.world]
+        return perm[self.rank::self.world]
 
 
 def data_position(consumed: int, n: int, batch: int, world: int) -> dict:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import posixpath
 from collections import defaultdict
 
-import torch
-from torch.utils.data import Sampler
-
 from octfm import fsio
 from octfm.errors import DataError
+from train import data
+from train.data import EpochStream, epoch_permutation
 
 
 def volume_bytes(files: dict[str, int], volumes) -> dict[str, int]:
@@ -89,7 +88,7 @@ def epoch_length(share_sizes: list[int], step: int) -> int:
     return n
 
 
-class ShareSampler(Sampler):
+class ShareSampler(EpochStream):
     """(epoch, row index) for one process: its host's share shuffled each epoch (seeded by the
     seed and the epoch), cut to `epoch_len`, dealt to the host's processes (local_rank every
     local_world-th), `batch` per micro-step, from micro-step `start_batch` to `stop_batch` (None:
@@ -107,33 +106,15 @@ class ShareSampler(Sampler):
                             f"{epoch_len} volumes")
 
     def epoch_indices(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        perm = torch.randperm(len(self.share), generator=g).tolist()[: self.batches_per_epoch * self.batch * self.local_world]
+        perm = epoch_permutation(len(self.share), self.seed, epoch)[: self.batches_per_epoch * self.batch * self.local_world]
         return [self.share[i] for i in perm[self.local_rank::self.local_world]]
-
-    def __iter__(self):
-        epoch, b = divmod(self.start_batch, self.batches_per_epoch)
-        left = None if self.stop_batch is None else max(0, self.stop_batch - self.start_batch) * self.batch
-        while left is None or left > 0:
-            idx = self.epoch_indices(epoch)[b * self.batch:]
-            if left is not None:
-                idx = idx[:left]
-                left -= len(idx)
-            for i in idx:
-                yield (epoch, i)
-            epoch, b = epoch + 1, 0
-
-    def __len__(self) -> int:
-        if self.stop_batch is None:
-            return 2 ** 62  # endless
-        return max(0, self.stop_batch - self.start_batch) * self.batch
 
 
 def share_position(consumed: int, sampler: ShareSampler, hosts: int) -> dict:
     """Where `consumed` micro-batches per process left the data: the epoch, the samples drawn
     from each host's permutation in it, and the host count that made the shares."""
-    epoch, b = divmod(consumed, sampler.batches_per_epoch)
-    return {"epoch": epoch, "offset": b * sampler.batch * sampler.local_world, "hosts": hosts}
+    s = sampler
+    return {**data.data_position(consumed, s.epoch_len, s.batch, s.local_world), "hosts": hosts}
 
 
 def start_for(position: dict, sampler: ShareSampler, hosts: int) -> tuple[int | None, str | None]:
@@ -142,17 +123,12 @@ def start_for(position: dict, sampler: ShareSampler, hosts: int) -> tuple[int | 
     None when it is not whole (the caller refuses). A checkpoint without `hosts` (one host) reads
     as one. Other hosts deal other shares, so the run goes on at the next epoch; an offset past
     this layout's shorter epoch does too."""
-    per_epoch, g = sampler.batches_per_epoch, sampler.batch * sampler.local_world
     was = int(position.get("hosts", 1))
     if was != hosts:
-        return (position["epoch"] + 1) * per_epoch, (
+        return (position["epoch"] + 1) * sampler.batches_per_epoch, (
             f"{was} host(s) -> {hosts}: each host's share changes, so the data goes on at the start of epoch "
             f"{position['epoch'] + 1} (the rest of epoch {position['epoch']} is left out)")
-    if position["offset"] >= per_epoch * g:
-        return (position["epoch"] + 1) * per_epoch, None
-    if position["offset"] % g:
-        return None, None
-    return position["epoch"] * per_epoch + position["offset"] // g, None
+    return data.start_batch_for(position, sampler.epoch_len, sampler.batch, sampler.local_world), None
 
 
 # ---------------------------------------------------------------- what a host reads, and staging it
@@ -166,7 +142,7 @@ def validation_rows(cfg, val_rows: list[dict]) -> list[dict]:
 def host_reads(cfg, rows: list[dict], sizes: dict[str, int] | None, host: int, hosts: int) -> set[str]:
     """The volumes host `host` of `hosts` reads in a run of `cfg` on training rows `rows`: its
     share, the rows validation reads and the online probe's (every host reads those two)."""
-    from train import data, online_probe
+    from train import online_probe
 
     volumes = {rows[i]["volume"] for i in shares(rows, sizes, hosts)[host]}
     if cfg.val_every:
