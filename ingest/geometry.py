@@ -20,7 +20,6 @@ import numpy as np
 
 from manifests.protocols import LINE, RADIAL, RASTER
 
-AXES = ("across frames", "in depth", "along B-scans")   # a volume's axes 0, 1, 2 (frames, rows, columns), in words
 PARALLEL_SIN = 0.05       # lines within about 3 degrees count as parallel
 SAME_LINE = 0.01          # offsets within 1% of a line's length count as one position
 CENTRE_SPREAD = 0.15      # radial: every midpoint within 15% of a line's length of their mean

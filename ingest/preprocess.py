@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from ingest.dicom import BadInput
-from ingest.geometry import AXES
+from manifests.protocols import AXES
 
 # Bump when anything below changes the cached bytes: every cache key includes it.
 CODE_VERSION = "5"  # 2: orientation flips happen before resampling; 3: volumes are OME-Zarr images (cache.store);

@@ -106,18 +106,20 @@ def geometry_of(header, published: list | None, pattern: str | None, source: str
         if pattern == RADIAL and axis == 0:
             field[0] = None   # a radial scan has no extent across its frames
             continue
-        differ = protocols.disagreement(geometry.AXES[axis], known, {"header": f" ({shape[axis]} x {spacing_h[axis]:.4g})"})
+        differ = protocols.disagreement(protocols.AXES[axis], known, {"header": f" ({shape[axis]} x {spacing_h[axis]:.4g})"})
         if differ:
             warnings.append(f"{differ}; used {chosen}")
     spacing = [f / n if f else float("nan") for f, n in zip(field, shape)]
     return spacing, field, ("geometry: " + "; ".join(warnings)) if warnings else None
 
 
-def orientation(header, protocol: str | None, row: dict, rules) -> tuple[list[int], str | None, str | None]:
+def orientation(header, traced: str | None, protocol: str | None, row: dict,
+                rules) -> tuple[list[int], str | None, str | None]:
     """(axes to reverse, what was done and why, a warning when a documented rule and the traces
-    disagree)."""
-    documented = bool(protocols.known(protocol) and protocols.known(protocol).frames_reversed)
-    if geometry.scan_pattern(header.traces) == RASTER:
+    disagree); `traced`: the pattern the frames' traces show (geometry.scan_pattern), if any."""
+    known = protocols.known(protocol)
+    documented = bool(known and known.frames_reversed)
+    if traced == RASTER:
         axes = geometry.raster_flips(header.traces)
         warning = None
         if documented and 0 not in axes:
@@ -146,9 +148,11 @@ def _said(axes: list[int], why: str) -> str | None:
 def describe(header, row: dict, geometry_source: str = "published", rules=()) -> Scan:
     """Every witness of `header` (ingest.dicom.Header) and the manifest `row` read into one Scan."""
     c = classify(header, row)
-    pattern = geometry.scan_pattern(header.traces) or c.pattern
+    traced = geometry.scan_pattern(header.traces)
+    pattern = traced or c.pattern
     spacing, field, warning = geometry_of(header, c.field, pattern, geometry_source)
-    flips, flipped, turned = (orientation(header, c.protocol, row, rules) if pattern == RASTER else ([], None, None))
+    flips, flipped, turned = (orientation(header, traced, c.protocol, row, rules) if pattern == RASTER
+                              else ([], None, None))
     warning = "; ".join(w for w in (warning, turned) if w) or None
     field = [round(f, 4) if f else None for f in field]
     known = any(not math.isnan(s) for s in spacing)

@@ -323,7 +323,7 @@ def _tsv_geometry(row: dict) -> str | None:
     said = [thickness[0] * shape[0] if len(thickness) == 1 else None,
             spacing[1] * shape[2] if len(spacing) == 2 else None]
     out = [protocols.disagreement(geometry_axis, {"manifest.tsv": tsv, "published": published})
-           for geometry_axis, tsv, published in (("across frames", said[0], field[0]), ("along B-scans", said[1], field[2]))]
+           for geometry_axis, tsv, published in ((protocols.AXES[0], said[0], field[0]), (protocols.AXES[2], said[1], field[2]))]
     out = [o for o in out if o]
     return "geometry: " + "; ".join(out) + " (the header decides at make cache)" if out else None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import posixpath
 import sys
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
@@ -142,7 +143,7 @@ def one_row_per_file(table: pa.Table) -> pa.Table:
         have = keep.get(r["relpath"])
         if have is None or (have["status"] != "ok" and r["status"] == "ok"):
             keep[r["relpath"]] = r
-    for rel in sorted({r for r in rels if rels.count(r) > 1}):
+    for rel in sorted(r for r, n in Counter(rels).items() if n > 1):
         print(f"warning: {rel} is listed in two manifest parts (shards split from different sources.parquet "
               f"files?): its {keep[rel]['status']} row kept", file=sys.stderr)
     return schema.to_table(list(keep.values()), schema.CACHE_SCHEMA)

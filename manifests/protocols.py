@@ -200,6 +200,7 @@ def by_shape(shape, device: str | None = None, region: str | None = None) -> lis
     return in_region or hits
 
 
+AXES = ("across frames", "in depth", "along B-scans")   # a volume's axes 0, 1, 2 (frames, rows, columns), in words
 GEOMETRY_TOLERANCE = 0.1   # relative disagreement between two witnesses of one extent that is reported
 
 
