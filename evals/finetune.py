@@ -64,6 +64,11 @@ def run_dir(cfg: FinetuneConfig) -> Path:
     return Path("runs") / f"finetune_{cfg.task}_{cfg.init}{pct}"
 
 
+def saved_split(st: dict) -> dict:
+    """A checkpoint's batch split ({batch, world}); "layout" in those written before it was named so."""
+    return st.get("batch_split") or st["layout"]
+
+
 def settings_with_global_batch(saved: dict, world: int) -> dict:
     """A run's saved settings with the per-process `batch_size` of runs made before the fine-tuning
     batch became the global one (on `world` processes) restated as `global_batch`."""
@@ -199,7 +204,7 @@ class Finetuner(TrainLoop):
         if found is None:
             return None
         uri, st = found
-        saved = settings_with_global_batch(st["finetune"]["settings"], (st.get("batch_split") or st["layout"])["world"])
+        saved = settings_with_global_batch(st["finetune"]["settings"], saved_split(st)["world"])
         changed = sorted(k for k in set(saved) | set(self.settings()) if saved.get(k) != self.settings().get(k))
         if changed:
             raise cli.UsageError(f"{uri}: this fine-tuning run was made with other settings ({', '.join(changed)}); "
@@ -215,8 +220,7 @@ class Finetuner(TrainLoop):
         (data.data_position), converted to this run's batch and process count, as pretraining
         resumes. Refused (naming both splits) where no whole number of this run's steps reaches it,
         and with `val_every`, whose checkpoints, history and best are counted in the saved steps."""
-        # "layout": the key's name in checkpoints written before the batch split was named so
-        saved, n, old = int(st["train_step"]), int(self.train.sum()), st.get("batch_split") or st["layout"]
+        saved, n, old = int(st["train_step"]), int(self.train.sum()), saved_split(st)
         pos = data.data_position(saved, n, old["batch"], old["world"])
         start = data.start_batch_for(pos, n, self.batch, self.rt.world)
         if start != saved and (start is None or self.cfg.val_every):

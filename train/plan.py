@@ -41,23 +41,27 @@ class Accelerator:
     chips_per_process: int    # chips one process feeds (XLA SPMD: the host's; CUDA: one process per GPU)
     bf16_tflops: float        # dense peak per chip, for MFU
     usable: float             # the share of memory a plan may fill (runtime, compiler and allocator keep the rest)
-    utilisation: float        # the share of bf16_tflops a step is assumed to reach (ASSUMED_UTILISATION)
+
+    @property
+    def utilisation(self) -> float:
+        """The share of bf16_tflops a step is assumed to reach (ASSUMED_UTILISATION, per kind)."""
+        return ASSUMED_UTILISATION[self.device]
 
 
 # The step time estimate's one assumption per kind: the share of the bf16 peak the ViT-B step reaches.
 # Nothing here measured it: on CUDA, 25% of the H200's measured bf16 matmul rate (763 of a 989 TFLOP/s
-# datasheet peak), the rate `make device-check` predicts with (bench/device_check.py GPU_ASSUMED); on TPU the
+# datasheet peak), the rate `make device-check` predicts with (bench/device_budget.py GPU_ASSUMED); on TPU the
 # same 19% of the peak, for want of any TPU reading. A measured step replaces it (docs/accelerators.md).
 ASSUMED_UTILISATION = {"cuda": 0.19, "xla": 0.19}
 
 # Per chip. TPU: HBM per chip and chips per host of the Cloud TPU VM types; CUDA: one process per
 # GPU on a node of 8, the memory torch reports on the lent cards (docs/accelerators.md).
 ACCELERATORS = {
-    "tpu-v4": Accelerator("xla", "TPU", 32.0, 4, 4, 275.0, 0.90, ASSUMED_UTILISATION["xla"]),
-    "tpu-v5e": Accelerator("xla", "TPU", 16.0, 4, 4, 197.0, 0.90, ASSUMED_UTILISATION["xla"]),
-    "tpu-v5p": Accelerator("xla", "TPU", 95.0, 4, 4, 459.0, 0.90, ASSUMED_UTILISATION["xla"]),
-    "h100": Accelerator("cuda", None, 79.2, 8, 1, 989.0, 0.90, ASSUMED_UTILISATION["cuda"]),
-    "h200": Accelerator("cuda", None, 139.8, 8, 1, 989.0, 0.90, ASSUMED_UTILISATION["cuda"]),
+    "tpu-v4": Accelerator("xla", "TPU", 32.0, 4, 4, 275.0, 0.90),
+    "tpu-v5e": Accelerator("xla", "TPU", 16.0, 4, 4, 197.0, 0.90),
+    "tpu-v5p": Accelerator("xla", "TPU", 95.0, 4, 4, 459.0, 0.90),
+    "h100": Accelerator("cuda", None, 79.2, 8, 1, 989.0, 0.90),
+    "h200": Accelerator("cuda", None, 139.8, 8, 1, 989.0, 0.90),
 }
 LOADER_CORE_S = 0.085  # one core's seconds per production sample's random-resized crop (docs/training.md, Data)
 
