@@ -61,9 +61,11 @@ def header_of(path: Path) -> dicom.Header:
 
 def test_the_table_holds_the_thirteen_protocols_by_their_converters_names():
     assert len(PROTOCOLS) == 13
-    for file_id in ("cirrus_mac_oct", "cirrus_disc_oct", "spectralis_mac_20x20_hs_octa", "maestro2_macula_6x6_octa",
-                    "triton_3d_radial_oct"):
-        assert protocols.lookup(file_id) and protocols.from_file_name(f"1001_{file_id}_oct_l_1.2.3.dcm")
+    assert {"cirrus_mac_oct", "cirrus_disc_oct", "spectralis_mac_20x20_hs_octa", "maestro2_macula_6x6_octa",
+            "triton_3d_radial_oct"} <= {p.file_id for p in PROTOCOLS.values()}
+    for p in PROTOCOLS.values():                   # each id, header name and converter file name finds its own row
+        assert protocols.lookup(p.file_id) == p.name == protocols.from_file_name(p.file_name("1001", "L", "1.2.3"))
+        assert all(protocols.lookup(h) == p.name for h in p.header_names), p.name
     sel = config.load(CacheConfig, None, ["select.protocol=[cirrus mac cube 512x128 oct, Cirrus_Mac_OCT]"]).select
     assert sel.protocol == ["cirrus mac oct", "cirrus mac oct"]   # the earlier spelling still selects the real files
 
@@ -178,13 +180,13 @@ def native_header(shape, protocol_name=None) -> dicom.Header:
     ((128, 1024, 512), None, "cirrus mac oct", "raster"),
     ((200, 1024, 200), None, "cirrus disc oct", "raster"),
     ((350, 1024, 350), "Optic Disc, 6 x 6", "cirrus disc 6x6 octa", "raster"),
-    ((350, 1024, 350), None, None, "raster"),                          # either 6x6 cube: a raster, 6 x 6 mm
-    ((10, 64, 64), None, None, None),                                  # matches nothing: no pattern, skipped
-])
+    ((350, 1024, 350), None, "cirrus protocol of its own", "raster"),  # either 6x6 cube: a raster, 6 x 6 mm,
+    ((10, 64, 64), None, "cirrus protocol of its own", None),          # matches nothing: no pattern, skipped
+])                                                                     # (these two keep the header's own name)
 def test_a_scan_nothing_else_names_is_matched_by_its_shape(shape, region, want, pattern):
     scan = scans.describe(native_header(shape, "Cirrus Protocol Of Its Own"),
                           {"device": "zeiss_cirrus", "anatomic_region": region})
-    assert (scan.protocol if want else None) == want and scan.pattern == pattern
+    assert scan.protocol == want and scan.pattern == pattern
     assert scan.protocol_by == ("shape" if pattern else None)
     if pattern:
         assert scan.field_mm[0] == 6.0 and scan.field_mm[2] == 6.0
